@@ -1,6 +1,11 @@
-"""pt3func: JAX-style functional training for PyTorch."""
+"""pt3func: JAX-style functional training for PyTorch.
 
-from pt3func import tree
+Write a pure `train_step(params, opt_state, batch)` over pytrees of tensors; `pf.jit` traces the whole
+step (forward, backward, optimizer) into one static program, compiles it once per signature and runs it
+with donated buffers updated in place.
+"""
+
+from pt3func import optim, tree
 from pt3func.config import config
 from pt3func.errors import (
     DataDependentControlFlowError,
@@ -9,13 +14,27 @@ from pt3func.errors import (
     ShardingError,
     TracingError,
 )
+from pt3func.jitted import Jitted, jit
+from pt3func.module import Apply, functionalize
+from pt3func.stages import Compiled, Lowered
+from pt3func.transforms import grad, value_and_grad, vmap
 
 __all__ = [
+    "Apply",
+    "Compiled",
     "DataDependentControlFlowError",
     "DonationError",
     "ImpureFunctionError",
+    "Jitted",
+    "Lowered",
     "ShardingError",
     "TracingError",
     "config",
+    "functionalize",
+    "grad",
+    "jit",
+    "optim",
     "tree",
+    "value_and_grad",
+    "vmap",
 ]

@@ -1,0 +1,24 @@
+"""The one place that knows which torch version is running (pt3func supports torch 2.11 and 2.13).
+
+Everything else imports the version-dependent names from here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol  # importing it registers torch.ops._c10d_functional
+from torch.distributed.tensor import Shard
+
+TORCH_VERSION: tuple[int, int] = tuple(int(part) for part in torch.__version__.split(".")[:2])  # type: ignore[assignment]
+
+c10d_functional = torch.ops._c10d_functional
+"""The functional collective ops (`all_reduce`, `all_gather_into_tensor`, ..., `wait_tensor`)."""
+
+# torch 2.13 renamed funcol's `all_gather_tensor` / `reduce_scatter_tensor` to `*_single` (the old names warn).
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def is_plain_shard(placement: object) -> bool:
+    """True for `Shard(d)`, False for `_StridedShard` (a `Shard` subclass in some versions, not in others)."""
+    return type(placement) is Shard

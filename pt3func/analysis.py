@@ -1,0 +1,211 @@
+"""Read a traced program: its text, FLOPs, communication volume and memory footprint."""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.utils.flop_counter import FlopCounterMode
+
+from pt3func.trace.capture import storage_root
+from pt3func.trace.source import node_location
+
+_DTYPE_ABBR = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+    torch.complex64: "c64",
+}
+
+# Collectives whose payload is their output (what every rank ends up holding); the rest count the input.
+_OUTPUT_SIZED = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced"}
+
+
+def type_str(val: Any) -> str:
+    """`f32[4, 8]` for a tensor value, a tuple of those for multi-output ops."""
+    if isinstance(val, torch.Tensor):
+        return f"{_DTYPE_ABBR.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{', '.join(map(str, val.shape))}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(type_str(v) for v in val) + ")"
+    return type(val).__name__
+
+
+def nbytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(nbytes(v) for v in val)
+    return 0
+
+
+def op_name(target: Any) -> str:
+    """`aten.mm` for `torch.ops.aten.mm.default`, `aten.add.Tensor` for non-default overloads."""
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target.namespace, target._schema.name.split("::")[-1]
+        overload = target._overloadname
+        return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
+    return getattr(target, "__name__", str(target))
+
+
+def is_collective(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and getattr(node.target, "namespace", None) == "_c10d_functional"
+        and (node.target._schema.name.split("::")[-1] != "wait_tensor")
+    )
+
+
+def collective_kind(node: fx.Node) -> str:
+    return node.target._schema.name.split("::")[-1]
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Payload of one collective, as nccl-tests counts it: the output for all-gather, else the input."""
+    if collective_kind(node) in _OUTPUT_SIZED:
+        return nbytes(node.meta.get("val"))
+    first = node.args[0]
+    vals = [
+        a.meta.get("val") for a in (first if isinstance(first, (list, tuple)) else [first]) if isinstance(a, fx.Node)
+    ]
+    return sum(nbytes(v) for v in vals)
+
+
+def _arg_str(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        return f"%{arg.name}"
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_arg_str(a) for a in arg)
+        return f"[{inner}]"
+    if isinstance(arg, torch.dtype):
+        return _DTYPE_ABBR.get(arg, str(arg))
+    return repr(arg)
+
+
+def program_text(
+    gm: fx.GraphModule,
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    donated: dict[int, str] | None = None,
+    annotations: dict[fx.Node, str] | None = None,
+) -> str:
+    """Render the program one op a line: `%y: f32[4, 8] = aten.mm(%x, %w)   # file.py:12`.
+
+    `donated` maps input index -> text shown beside donated inputs; `annotations` maps node -> a note
+    (used for collectives: kind, mesh axis, bytes and why it is there).
+    """
+    donated = donated or {}
+    annotations = annotations or {}
+    lines = [f"def {name}("]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        label = input_names[i] if i < len(input_names) else node.name
+        extra = f"  [{donated[i]}]" if i in donated else ""
+        lines.append(f"    %{node.name}: {type_str(node.meta.get('val'))},  # {label}{extra}")
+    lines.append("):")
+    body: list[tuple[str, str]] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            text = f"%{node.name}: {type_str(node.meta.get('val'))} = constant {node.target}"
+        else:
+            args = [_arg_str(a) for a in node.args] + [f"{k}={_arg_str(v)}" for k, v in node.kwargs.items()]
+            text = f"%{node.name}: {type_str(node.meta.get('val'))} = {op_name(node.target)}({', '.join(args)})"
+        note = annotations.get(node)
+        where = node_location(node)
+        comment = "  ".join(c for c in (note, where) if c)
+        body.append((text, comment))
+    width = min(max((len(t) for t, _ in body), default=0), 100)
+    for text, comment in body:
+        lines.append(f"    {text:<{width}}  # {comment}" if comment else f"    {text}")
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output_node.args[0])
+    for j, out in enumerate(outs):
+        label = output_names[j] if j < len(output_names) else f"out{j}"
+        lines.append(f"    return[{j}] {label} = {_arg_str(out)}")
+    return "\n".join(lines)
+
+
+def flops(gm: fx.GraphModule) -> int:
+    """FLOPs of one run of `gm`, counted by torch's FlopCounterMode over fake inputs (no real compute)."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(vals)
+    if fake_mode is None:
+        return 0
+    with fake_mode, FlopCounterMode(display=False) as counter:
+        gm(*[v.clone() if isinstance(v, torch.Tensor) else v for v in vals])
+    return int(counter.get_total_flops())
+
+
+def comm_bytes(gm: fx.GraphModule) -> dict[str, int]:
+    """Bytes of collective payload per collective kind (see `collective_bytes`)."""
+    out: dict[str, int] = defaultdict(int)
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            out[collective_kind(node)] += collective_bytes(node)
+    return dict(out)
+
+
+def _owner(node: fx.Node) -> fx.Node:
+    if node.op == "call_function" and node.target is operator.getitem:
+        return _owner(node.args[0])
+    root = storage_root(node)
+    return root if root is node else _owner(root)
+
+
+def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> dict[str, int]:
+    """Bytes of arguments, outputs, donated (aliased) buffers, temporaries and the peak, by liveness.
+
+    This is the program as traced, before a compiler fuses ops away, so it is an upper bound on what a
+    fused (Inductor) program needs; `peak_bytes` counts arguments plus everything live at the worst op.
+    """
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output_node = nodes[-1]
+    outs = [o for o in output_node.args[0] if isinstance(o, fx.Node)]
+    argument_bytes = sum(nbytes(p.meta.get("val")) for p in placeholders)
+    aliased_bytes = sum(nbytes(placeholders[i].meta.get("val")) for i in aliased_inputs)
+    output_bytes = sum(nbytes(o.meta.get("val")) for o in outs) + aliased_bytes
+    last_use: dict[fx.Node, int] = {}
+    for idx, node in enumerate(nodes):
+        for used in node.all_input_nodes:
+            last_use[_owner(used)] = idx
+    kept = {_owner(o) for o in outs}
+    live = 0
+    peak = 0
+    frees: dict[int, list[fx.Node]] = defaultdict(list)
+    for owner, idx in last_use.items():
+        if owner.op == "call_function" and owner not in kept:
+            frees[idx].append(owner)
+    for idx, node in enumerate(nodes):
+        if (
+            node.op in ("call_function", "get_attr")
+            and _owner(node) is node
+            and node.target is not torch.ops.aten.copy_.default
+        ):
+            live += nbytes(node.meta.get("val"))
+        peak = max(peak, live)
+        for dead in frees.get(idx, ()):
+            live -= nbytes(dead.meta.get("val"))
+    peak_bytes = argument_bytes + peak
+    temp_bytes = max(peak_bytes - argument_bytes - (output_bytes - aliased_bytes), 0)
+    return {
+        "peak_bytes": peak_bytes,
+        "argument_bytes": argument_bytes,
+        "output_bytes": output_bytes,
+        "aliased_bytes": aliased_bytes,
+        "temp_bytes": temp_bytes,
+    }

@@ -1,0 +1,309 @@
+"""`pf.jit`: trace a whole pure step into one static program, compile it once per signature, cache it."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pt3func import tree
+from pt3func.config import config
+from pt3func.errors import DonationError, TracingError
+from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
+from pt3func.runtime.backend import BACKENDS
+from pt3func.runtime.donated import is_donated
+from pt3func.stages import Compiled, Lowered, Program
+from pt3func.trace import capture
+from pt3func.trace.signature import (
+    SCALAR_TYPES,
+    ArgSpec,
+    check_hashable,
+    describe_leaf,
+    leaf_argument,
+    leaf_key,
+    leaf_labels,
+    rebuild_call,
+    split_call,
+)
+
+log = logging.getLogger("pt3func.jit")
+
+
+class Jitted:
+    """A function compiled by `pf.jit`: call it, or stop at `lower(...)` to look at the program."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
+        grad_exchange: Any = None,
+        memory_budget: float | None = None,
+        backend: str = "inductor",
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"pf.jit: unknown backend {backend!r}; choose one of {BACKENDS}")
+        if memory_budget is not None and not 0.0 <= memory_budget <= 1.0:
+            raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {memory_budget}")
+        self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        self._spec = ArgSpec.build(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.grad_exchange = grad_exchange
+        self.memory_budget = memory_budget
+        self.backend = backend
+        self._cache: dict[Any, Compiled] = {}
+        self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
+        functools.update_wrapper(self, fn)
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any], Any, tuple]:
+        leaves, treedef, static = split_call(self._spec, args, kwargs)
+        try:
+            key = (treedef, static, tuple([leaf_key(leaf) for leaf in leaves]))
+            hash(key)
+        except TypeError:
+            check_hashable(static, lambda: [repr(s) for s in static])
+            bad = [
+                label
+                for label, leaf in zip(leaf_labels(self._spec, treedef, static), leaves)
+                if not isinstance(leaf, (torch.Tensor, *SCALAR_TYPES)) and not _hashable(leaf)
+            ]
+            raise TracingError(
+                f"{self.name}: arguments {', '.join(bad)} are neither tensors nor Python scalars, so they are "
+                "treated as static values, which must be hashable. Convert them to tensors or make them hashable."
+            ) from None
+        return key, leaves, treedef, static
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, leaves, treedef, static = self._key(args, kwargs)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._lower_from(leaves, treedef, static).compile()
+            compiled.report_unused_donations()
+            self._cache[key] = compiled
+        return compiled.run_leaves(leaves)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace and lower for these arguments (nothing is run, nothing is donated)."""
+        _key, leaves, treedef, static = self._key(args, kwargs)
+        return self._lower_from(leaves, treedef, static)
+
+    def trace_count(self) -> int:
+        """How many distinct signatures have been traced (the number of cache misses so far)."""
+        return len(self._seen)
+
+    def _explain_miss(self, labels: list[str], descriptions: list[str], treedef: Any, static: tuple) -> None:
+        if not self._seen:
+            log.warning("%s: tracing for the first time", self.name)
+            return
+        old_treedef, old_labels, old_desc = self._seen[-1]
+        reasons = []
+        if old_treedef != treedef:
+            reasons.append(f"the pytree structure of the arguments changed: {old_treedef} -> {treedef}")
+        else:
+            for label, a, b in zip(labels, old_desc, descriptions):
+                if a != b:
+                    reasons.append(f"{label}: {a} -> {b}")
+        if not reasons:
+            reasons.append(f"static arguments changed: {static}")
+        log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
+
+    def _lower_from(self, leaves: list[Any], treedef: Any, static: tuple) -> Lowered:
+        spec = self._spec
+        labels = leaf_labels(spec, treedef, static)
+        for label, leaf in zip(labels, leaves):
+            if is_donated(leaf):
+                raise DonationError(
+                    f"{self.name}: argument {label} was donated to an earlier call and can no longer be used; "
+                    "pass the value that call returned"
+                )
+        descriptions = [describe_leaf(leaf) for leaf in leaves]
+        if config.explain_cache_misses:
+            self._explain_miss(labels, descriptions, treedef, static)
+        owner = leaf_argument(spec, treedef, static)
+        donated_leaves = [
+            i
+            for i, arg in enumerate(owner)
+            if (arg in spec.donate_argnums if isinstance(arg, int) else arg in spec.donate_argnames)
+            and isinstance(leaves[i], torch.Tensor)
+        ]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        kinds, scalar_dtypes, graph_input_leaves, example_inputs = [], {}, [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                kinds.append("tensor")
+                example_inputs.append(leaf.detach())
+            elif isinstance(leaf, SCALAR_TYPES):
+                kinds.append("scalar")
+                dtype = (
+                    torch.bool
+                    if isinstance(leaf, bool)
+                    else (torch.int64 if isinstance(leaf, int) else torch.get_default_dtype())
+                )
+                scalar_dtypes[i] = dtype
+                example_inputs.append(torch.tensor(leaf, dtype=dtype, device=device))
+            else:
+                kinds.append("static")
+                continue
+            graph_input_leaves.append(i)
+
+        out_info: dict[str, Any] = {}
+        fn = self.fn
+
+        def flat_fn(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
+            call_leaves = list(leaves)
+            for i, value in zip(graph_input_leaves, graph_inputs):
+                call_leaves[i] = value
+            args, kwargs = rebuild_call(treedef, static, call_leaves)
+            out = fn(*args, **kwargs)
+            out_leaves, out_treedef = tree.flatten(out)
+            out_info["treedef"] = out_treedef
+            out_info["leaves"] = out_leaves
+            return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
+
+        gm = capture.trace(flat_fn, example_inputs, self.name)
+        graph_labels = [labels[i] for i in graph_input_leaves]
+        capture.check_no_input_mutation(gm, graph_labels, self.name)
+
+        out_treedef = out_info["treedef"]
+        out_leaves = out_info["leaves"]
+        out_labels = ["out" + tree.keystr(path) for path in _paths_of(out_treedef)]
+        tensor_out = [j for j, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+        constants = {j: leaf for j, leaf in enumerate(out_leaves) if not isinstance(leaf, torch.Tensor)}
+
+        # Donation is planned in graph-index space, then mapped back to leaf indices for the program.
+        in_meta = [_meta(labels[i], leaves[i]) for i in graph_input_leaves]
+        out_vals = [n.meta.get("val") for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
+        out_meta = [
+            LeafMeta(out_labels[j], tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else None
+            for j, v in zip(tensor_out, out_vals)
+        ]
+        donated_graph = [graph_input_leaves.index(i) for i in donated_leaves]
+        preferred = _preferred_outputs(spec, treedef, static, out_treedef, owner, graph_input_leaves, tensor_out)
+        plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
+        gm = apply_donation(gm, plan_g)
+        plan = type(plan_g)(
+            aliases={tensor_out[j]: graph_input_leaves[i] for j, i in plan_g.aliases.items()},
+            unused={graph_input_leaves[i]: why for i, why in plan_g.unused.items()},
+        )
+        graph_output_leaves = [j for k, j in enumerate(tensor_out) if k not in plan_g.aliases]
+        program = Program(
+            name=self.name,
+            graph_module=gm,
+            treedef=treedef,
+            static=static,
+            input_labels=labels,
+            input_leaf_kind=kinds,
+            scalar_dtypes=scalar_dtypes,
+            graph_input_leaves=graph_input_leaves,
+            out_treedef=out_treedef,
+            out_labels=out_labels,
+            out_constants=constants,
+            graph_output_leaves=graph_output_leaves,
+            donation=plan,
+            donated_leaves=donated_leaves,
+            backend=self.backend,
+            scalar_device=device,
+        )
+        self._seen.append((treedef, labels, descriptions))
+        return Lowered(program, example_inputs)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _meta(label: str, leaf: Any) -> LeafMeta:
+    if isinstance(leaf, torch.Tensor):
+        return LeafMeta(label, tuple(leaf.shape), leaf.dtype, leaf.device)
+    return LeafMeta(label, (), torch.get_default_dtype(), torch.device("cpu"))
+
+
+def _paths_of(treedef: Any) -> list[tuple[Any, ...]]:
+    return tree.paths(tree.unflatten(treedef, [0] * treedef.num_leaves))
+
+
+def _preferred_outputs(
+    spec: ArgSpec,
+    treedef: Any,
+    static: tuple,
+    out_treedef: Any,
+    owner: list[Any],
+    graph_input_leaves: list[int],
+    tensor_out: list[int],
+) -> dict[int, int]:
+    """Donated positional argument k prefers output element k when both have the same structure.
+
+    That is the usual `params, opt_state, ... = step(params, opt_state, ...)` shape; returns a map from
+    graph input index to graph output index.
+    """
+    skeleton_out = tree.unflatten(out_treedef, list(range(out_treedef.num_leaves)))
+    if not isinstance(skeleton_out, (tuple, list)):
+        skeleton_out = (skeleton_out,)
+    dyn_args, _ = tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    static_idx = {i for i, _ in static[0]}
+    positions = [i for i in range(len(dyn_args) + len(static_idx)) if i not in static_idx]
+    graph_in = {leaf: g for g, leaf in enumerate(graph_input_leaves)}
+    graph_out = {leaf: g for g, leaf in enumerate(tensor_out)}
+    preferred: dict[int, int] = {}
+    for pos, sub in zip(positions, dyn_args):
+        if pos not in spec.donate_argnums or pos >= len(skeleton_out):
+            continue
+        target = skeleton_out[pos]
+        if tree.structure(target) != tree.structure(sub):
+            continue
+        for in_leaf, out_leaf in zip(tree.leaves(sub), tree.leaves(target)):
+            if in_leaf in graph_in and out_leaf in graph_out:
+                preferred[graph_in[in_leaf]] = graph_out[out_leaf]
+    return preferred
+
+
+def jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    grad_exchange: Any = None,
+    memory_budget: float | None = None,
+    backend: str = "inductor",
+) -> Any:
+    """Trace `fn` (forward, backward, optimizer: the whole step) into one static program and compile it.
+
+    Works as `pf.jit(f, ...)`, `@pf.jit` and `@functools.partial(pf.jit, donate_argnums=0)`. The program
+    is traced once per input signature (pytree structure, shapes, dtypes, static values) and cached.
+    Python scalars that are not static become 0-d tensor inputs, never constants baked into the program.
+    Donated arguments' buffers are reused for outputs of the same shape/dtype: the compiled program writes
+    the new values into them in place, and the donated tensors become unreadable.
+    """
+    options = dict(
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        grad_exchange=grad_exchange,
+        memory_budget=memory_budget,
+        backend=backend,
+    )
+    if fn is None:
+        return functools.partial(jit, **options)
+    return Jitted(fn, **options)

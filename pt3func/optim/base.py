@@ -1,0 +1,156 @@
+"""The core of `pf.optim`: `GradientTransformation`, `chain`, `apply_updates` and shared helpers.
+
+A gradient transformation is a pair of pure functions, in the shape of optax:
+
+- `init(params) -> state` builds the state (a pytree) from the parameters;
+- `update(grads, state, params=None) -> (updates, new_state)` maps gradients to updates.
+
+Nothing is mutated: every call returns new tensors and a new state, so a whole train step, optimizer
+included, traces into one static program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from pt3func import tree as pftree
+
+PyTree = Any
+Schedule = Callable[[Any], torch.Tensor]
+"""A function `count -> value`; `count` is a 0-d tensor or a Python int, the value a 0-d float32 tensor."""
+
+ScalarOrSchedule = float | Schedule
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: PyTree) -> PyTree: ...
+
+
+class TransformUpdateFn(Protocol):
+    def __call__(
+        self, updates: PyTree, state: PyTree, params: PyTree | None = None
+    ) -> tuple[PyTree, PyTree]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer (or a piece of one): `init(params) -> state` and
+    `update(grads, state, params=None) -> (updates, new_state)`.
+
+    Updates are added to the parameters with `apply_updates`; compose transformations with `chain`.
+    """
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def identity() -> GradientTransformation:
+    """The transformation that returns the gradients unchanged.
+
+    Returns:
+        A `GradientTransformation` with an `EmptyState`.
+    """
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transformations: the updates of each are the gradients of the next.
+
+    Args:
+        *transforms: the transformations, applied in order.
+
+    Returns:
+        A `GradientTransformation` whose state is the tuple of the states of `transforms`.
+    """
+    init_fns, update_fns = zip(*transforms, strict=True) if transforms else ((), ())
+
+    def init_fn(params):
+        return tuple(fn(params) for fn in init_fns)
+
+    def update_fn(updates, state, params=None):
+        if len(state) != len(update_fns):
+            raise ValueError(
+                f"chain of {len(update_fns)} transformations got a state of {len(state)} parts; "
+                "build the state with the same chain's init"
+            )
+        new_state = []
+        for fn, s in zip(update_fns, state, strict=True):
+            updates, s = fn(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Return `params + updates`, leaf by leaf, each result in the dtype of its parameter.
+
+    Args:
+        params: the parameters, a pytree of tensors.
+        updates: a pytree of the same structure (what an `update` returned).
+
+    Returns:
+        The new parameters (new tensors; `params` is not modified).
+    """
+    return pftree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all the leaves of `tree` taken as one vector, as a 0-d float32 tensor."""
+    leaves = pftree.leaves(tree)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    squares = [torch.sum(torch.square(x.to(torch.float32))) for x in leaves]
+    return torch.sqrt(torch.stack(squares).sum())
+
+
+def all_finite(tree: PyTree) -> torch.Tensor:
+    """A 0-d bool tensor: whether every element of every leaf of `tree` is finite (no NaN, no Inf)."""
+    leaves = pftree.leaves(tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
+
+
+def _device_of(tree: PyTree) -> torch.device:
+    """The device of the first tensor leaf of `tree` (CPU if there is none); 0-d state lives there."""
+    for leaf in pftree.leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def _zero_count(params: PyTree) -> torch.Tensor:
+    """A 0-d int32 step counter on the parameters' device."""
+    return torch.zeros((), dtype=torch.int32, device=_device_of(params))
+
+
+def _safe_increment(count: torch.Tensor) -> torch.Tensor:
+    """`count + 1`, saturating at the largest int32 instead of wrapping around."""
+    return torch.where(count < torch.iinfo(torch.int32).max, count + 1, count)
+
+
+def _select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree:
+    """`torch.where(pred, a, b)` leaf by leaf; a traceable stand-in for `if pred: ... else: ...`."""
+
+    def select(a, b):
+        if isinstance(a, torch.Tensor):
+            return torch.where(pred, a, b)
+        return a
+
+    return pftree.map(select, on_true, on_false)

@@ -1,0 +1,316 @@
+"""The building blocks of optimizers: each closes over its hyper-parameters and returns a
+`GradientTransformation`. The aliases in `alias.py` chain them into `sgd`, `adam`, `adamw`, `lion`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from pt3func import tree as pftree
+from pt3func.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    PyTree,
+    ScalarOrSchedule,
+    Schedule,
+    _safe_increment,
+    _zero_count,
+    global_norm,
+)
+
+MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
+
+
+def _moments_like(params: PyTree, dtype: torch.dtype | None) -> PyTree:
+    return pftree.map(lambda p: torch.zeros_like(p, dtype=dtype), params)
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply the updates by a constant.
+
+    Args:
+        step_size: the factor.
+
+    Returns:
+        A stateless `GradientTransformation`.
+    """
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        return pftree.map(lambda g: (g * step_size).to(g.dtype), updates), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: torch.Tensor
+    """0-d int32: the number of updates done so far (the schedule's argument)."""
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply the updates by `step_size_fn(count)`, where `count` is the number of earlier updates.
+
+    Args:
+        step_size_fn: a schedule `count -> factor` (see `pf.optim.schedules`).
+
+    Returns:
+        A `GradientTransformation` with a `ScaleByScheduleState`.
+    """
+
+    def init_fn(params):
+        return ScaleByScheduleState(count=_zero_count(params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        step_size = step_size_fn(state.count)
+        updates = pftree.map(lambda g: (g * step_size).to(g.dtype), updates)
+        return updates, ScaleByScheduleState(count=_safe_increment(state.count))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    """Multiply the updates by the learning rate, negated by default (updates are added to params).
+
+    Args:
+        learning_rate: a float or a schedule `count -> lr`.
+        flip_sign: multiply by `-learning_rate` (descent) rather than `learning_rate`.
+
+    Returns:
+        A `GradientTransformation`.
+    """
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * learning_rate)
+
+
+class TraceState(NamedTuple):
+    trace: PyTree
+    """The momentum buffer, one per parameter, in the parameter's dtype."""
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Heavy-ball momentum: `t = decay * t + g`, the update is `t` (or `g + decay * t` with Nesterov).
+
+    This is `torch.optim.SGD`'s momentum with `dampening=0` (Polyak 1964; Nesterov momentum in the form
+    of Sutskever et al. 2013).
+
+    Args:
+        decay: the momentum coefficient.
+        nesterov: use Nesterov momentum.
+
+    Returns:
+        A `GradientTransformation` with a `TraceState`.
+    """
+
+    def init_fn(params):
+        return TraceState(trace=_moments_like(params, None))
+
+    def update_fn(updates, state, params=None):
+        del params
+        new_trace = pftree.map(lambda g, t: g + decay * t, updates, state.trace)
+        if nesterov:
+            updates = pftree.map(lambda g, t: g + decay * t, updates, new_trace)
+        else:
+            updates = new_trace
+        return updates, TraceState(trace=new_trace)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _one_minus_pow(base: float, t: torch.Tensor) -> torch.Tensor:
+    """`1 - base ** t` for `0 <= base < 1`, accurate in float32.
+
+    `1 - 0.999 ** t` in float32 loses about 4 digits to cancellation (and to rounding 0.999 itself);
+    `-expm1(t * log(base))`, with the log taken in double precision, does not.
+    """
+    if base == 0.0:
+        return torch.ones_like(t)
+    return -torch.expm1(t * math.log(base))
+
+
+class ScaleByAdamState(NamedTuple):
+    count: torch.Tensor
+    """0-d int32: the number of updates done so far."""
+    mu: PyTree
+    """First moment estimate, one per parameter."""
+    nu: PyTree
+    """Second (uncentred) moment estimate, one per parameter."""
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Rescale the updates by Adam's bias-corrected moment estimates.
+
+    `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, the update is
+    `(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t) + eps_root) + eps)`; with `eps_root = 0` these are
+    `torch.optim.Adam`'s formulas (Kingma & Ba 2015, https://arxiv.org/abs/1412.6980).
+
+    Args:
+        b1: decay rate of the first moment.
+        b2: decay rate of the second moment.
+        eps: added to the denominator, outside the square root.
+        eps_root: added inside the square root (useful when differentiating through the update).
+        mu_dtype: dtype of the first moment; the parameter's dtype if `None`.
+
+    Returns:
+        A `GradientTransformation` with a `ScaleByAdamState`.
+    """
+
+    def init_fn(params):
+        return ScaleByAdamState(
+            count=_zero_count(params), mu=_moments_like(params, mu_dtype), nu=_moments_like(params, None)
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        mu = pftree.map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
+        nu = pftree.map(lambda g, v: v * b2 + (1.0 - b2) * (g * g), updates, state.nu)
+        count = _safe_increment(state.count)
+        corrections = {}
+
+        def bias_corrections(dtype):
+            # At least float32, so that t is exact and 1 - b ** t accurate even for bfloat16 moments.
+            dtype = torch.promote_types(dtype, torch.float32)
+            if dtype not in corrections:
+                t = count.to(dtype)
+                bias_correction2 = _one_minus_pow(b2, t)
+                corrections[dtype] = (_one_minus_pow(b1, t), bias_correction2, torch.sqrt(bias_correction2))
+            return corrections[dtype]
+
+        def step(g, m, v):
+            bias_correction1, bias_correction2, bias_correction2_sqrt = bias_corrections(v.dtype)
+            if eps_root:
+                denom = torch.sqrt(v / bias_correction2 + eps_root) + eps
+            else:
+                # torch.optim.Adam's order of operations, so that the two agree to rounding.
+                denom = torch.sqrt(v) / bias_correction2_sqrt + eps
+            return ((m / bias_correction1) / denom).to(g.dtype)
+
+        updates = pftree.map(step, updates, mu, nu)
+        return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByLionState(NamedTuple):
+    count: torch.Tensor
+    """0-d int32: the number of updates done so far."""
+    mu: PyTree
+    """The momentum, one per parameter."""
+
+
+def scale_by_lion(
+    b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | None = None
+) -> GradientTransformation:
+    """Lion's update direction: `sign(b1 m + (1 - b1) g)`, then `m = b2 m + (1 - b2) g`.
+
+    Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", https://arxiv.org/abs/2302.06675.
+
+    Args:
+        b1: interpolation factor of the update direction.
+        b2: decay rate of the momentum.
+        mu_dtype: dtype of the momentum; the parameter's dtype if `None`.
+
+    Returns:
+        A `GradientTransformation` with a `ScaleByLionState`.
+    """
+
+    def init_fn(params):
+        return ScaleByLionState(count=_zero_count(params), mu=_moments_like(params, mu_dtype))
+
+    def update_fn(updates, state, params=None):
+        del params
+        directions = pftree.map(
+            lambda g, m: torch.sign((1.0 - b1) * g + b1 * m.to(g.dtype)), updates, state.mu
+        )
+        mu = pftree.map(lambda g, m: b2 * m + (1.0 - b2) * g.to(m.dtype), updates, state.mu)
+        return directions, ScaleByLionState(count=_safe_increment(state.count), mu=mu)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _resolve_mask(mask: MaskOrFn, params: PyTree) -> PyTree | None:
+    return mask(params) if callable(mask) else mask
+
+
+def add_decayed_weights(weight_decay: float = 0.0, mask: MaskOrFn = None) -> GradientTransformation:
+    """Add `weight_decay * param` to the updates.
+
+    Before `scale_by_learning_rate` and after an adaptive rescaling, this is decoupled weight decay
+    (AdamW, Loshchilov & Hutter 2019, https://arxiv.org/abs/1711.05101); before any rescaling it is
+    L2 regularisation (as in `torch.optim.SGD(weight_decay=...)`).
+
+    Args:
+        weight_decay: the coefficient.
+        mask: a pytree of Python bools with the params' structure (or a function `params -> mask`);
+            only the parameters marked `True` are decayed. `None` decays all of them.
+
+    Returns:
+        A stateless `GradientTransformation`; its `update` needs `params`.
+    """
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("add_decayed_weights needs the params: call update(grads, state, params)")
+        if weight_decay == 0.0:
+            return updates, state
+        resolved = _resolve_mask(mask, params)
+        if resolved is None:
+            updates = pftree.map(lambda g, p: g + weight_decay * p.to(g.dtype), updates, params)
+        else:
+            updates = pftree.map(
+                lambda g, p, m: g + weight_decay * p.to(g.dtype) if m else g, updates, params, resolved
+            )
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Rescale the updates so that their global L2 norm is at most `max_norm`.
+
+    If `||g|| > max_norm` every leaf is multiplied by `max_norm / ||g||`, where `||g||` is the norm of
+    all leaves taken as one vector (Pascanu et al. 2013, https://arxiv.org/abs/1211.5063).
+
+    Args:
+        max_norm: the largest global norm let through; must be positive.
+
+    Returns:
+        A stateless `GradientTransformation`.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm}")
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        factor = max_norm / torch.clamp(norm, min=max_norm)
+        return pftree.map(lambda g: (g * factor).to(g.dtype), updates), state
+
+    return GradientTransformation(init_fn, update_fn)
+

@@ -1,0 +1,1 @@
+"""Passes over the traced program; each takes and returns a `torch.fx.GraphModule`."""

@@ -1,0 +1,108 @@
+"""Donation pass: write chosen outputs into the buffers of donated inputs.
+
+`plan_donation` pairs donated inputs with outputs of the same shape, dtype and device (preferring the
+output at the same pytree path, as `params -> new params`); `apply_donation` rewrites the graph so each
+paired output is `copy_`-ed into its input at the end of the program and dropped from the graph's
+outputs. Inductor turns such copies into in-place stores: no second copy of the state is held and no
+copy-back epilogue runs. The runtime then returns the input's own storage as that output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from pt3func.trace.capture import storage_root
+
+
+@dataclass(frozen=True)
+class LeafMeta:
+    """What the donation planner needs to know about one flat input or output."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class DonationPlan:
+    """Which input buffer each output reuses, and why the others could not be reused."""
+
+    aliases: dict[int, int] = field(default_factory=dict)  # output index -> input index
+    unused: dict[int, str] = field(default_factory=dict)  # donated input index -> reason
+
+    @property
+    def donated_inputs(self) -> set[int]:
+        return set(self.aliases.values())
+
+
+def _fits(a: LeafMeta, b: LeafMeta) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def plan_donation(
+    inputs: Sequence[LeafMeta],
+    outputs: Sequence[LeafMeta | None],
+    donated: Sequence[int],
+    preferred: dict[int, int] | None = None,
+) -> DonationPlan:
+    """Pair each donated input with a distinct output that can live in its buffer.
+
+    `outputs[j]` is None for outputs that are not tensors. `preferred` maps an input index to the output
+    it naturally becomes (input `params['w']` -> output `new_params['w']`); that output is tried first,
+    then the first free output of the same shape, dtype and device (as JAX does).
+    """
+    plan = DonationPlan()
+    taken: set[int] = set()
+    preferred = preferred or {}
+    for i in donated:
+        j = preferred.get(i)
+        if j is None or j in taken or outputs[j] is None or not _fits(inputs[i], outputs[j]):
+            j = next(
+                (k for k, o in enumerate(outputs) if o is not None and k not in taken and _fits(inputs[i], o)),
+                None,
+            )
+        if j is None:
+            meta = inputs[i]
+            plan.unused[i] = (
+                f"no output left with shape {tuple(meta.shape)}, dtype {meta.dtype} and device {meta.device}"
+            )
+            continue
+        taken.add(j)
+        plan.aliases[j] = i
+    return plan
+
+
+def apply_donation(gm: fx.GraphModule, plan: DonationPlan) -> fx.GraphModule:
+    """Rewrite `gm` in place: copy each aliased output into its donated input and drop it from the outputs.
+
+    A donation is refused (moved to `plan.unused`) when another output, or the value written into a
+    different donated input, is a view of the donated input: overwriting it would change that value.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output_node.args[0])
+    donated_nodes = {placeholders[i]: i for i in plan.aliases.values()}
+    for j, out in enumerate(outs):
+        if not isinstance(out, fx.Node):
+            continue
+        root = storage_root(out)
+        i = donated_nodes.get(root)
+        if i is None or (plan.aliases.get(j) == i and out is root):
+            continue
+        # Output j reads donated input i's memory (itself or through a view): overwriting it would corrupt j.
+        for k in [k for k, src in plan.aliases.items() if src == i]:
+            del plan.aliases[k]
+        plan.unused[i] = f"output {j} reads this input's memory (it is the input or a view of it)"
+    with gm.graph.inserting_before(output_node):
+        for j, i in plan.aliases.items():
+            if outs[j] is not placeholders[i]:
+                gm.graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], outs[j]))
+    output_node.args = (tuple(o for j, o in enumerate(outs) if j not in plan.aliases),)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,42 @@
+"""Invalidate donated tensors so that reading one raises instead of returning overwritten data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pt3func.errors import DonationError
+
+# Functions that must keep working on a donated tensor: hashing (dicts, sets, weakrefs) and repr.
+_ALLOWED = {torch.Tensor.__hash__, torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+class DonatedTensor(torch.Tensor):
+    """The class a donated input is switched to: every torch operation on it raises `DonationError`."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        victim = next((a for a in args if isinstance(a, DonatedTensor)), None)
+        where = getattr(victim, "_pt3func_donated", "a jitted step")
+        raise DonationError(
+            f"this tensor was donated to {where}: its buffer now holds that call's outputs, so it can no "
+            "longer be read. Use the values the call returned instead (e.g. `params, opt_state, m = "
+            "step(params, opt_state, batch)`), or do not donate it."
+        )
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"DonatedTensor(<donated to {getattr(self, '_pt3func_donated', 'a jitted step')}>)"
+
+
+def invalidate(t: torch.Tensor, where: str) -> None:
+    """Mark `t` donated: it keeps no extra memory alive and raises on any use."""
+    t._pt3func_donated = where
+    t.__class__ = DonatedTensor
+
+
+def is_donated(t: Any) -> bool:
+    return isinstance(t, DonatedTensor)

@@ -1,0 +1,211 @@
+"""`Mesh`: named axes over the torch.distributed world (a `DeviceMesh` plus the groups pf.lax needs)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import weakref
+from contextvars import ContextVar
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pt3func.errors import ShardingError
+
+AxisNames = str | tuple[str, ...]
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+class Mesh:
+    """Named axes over every rank of the world: `Mesh(dp=2, tp=4)` is a 2 x 4 grid of ranks, row-major.
+
+    Wraps a torch `DeviceMesh` (`.device_mesh`). A tuple of axis names, e.g. `("dp", "tp")`, stands for
+    the axes flattened together in mesh order (one group spanning both).
+    """
+
+    def __init__(self, device_mesh: DeviceMesh, *, virtual: bool = False) -> None:
+        names = device_mesh.mesh_dim_names
+        if names is None:
+            raise ShardingError(f"a pt3func Mesh needs named axes; {device_mesh} has none")
+        self.device_mesh = device_mesh
+        self.axis_names: tuple[str, ...] = tuple(names)
+        self.shape: tuple[int, ...] = tuple(device_mesh.mesh.shape)
+        self.device_type: str = device_mesh.device_type
+        self.virtual = virtual
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._world = dist.group.WORLD  # a cached mesh is stale once its world is destroyed
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{name}={size}" for name, size in zip(self.axis_names, self.shape))
+        virtual = ", virtual=True" if self.virtual else ""
+        return f"Mesh({axes}, device_type={self.device_type!r}{virtual})"
+
+    def axes(self, axis_name: AxisNames) -> tuple[str, ...]:
+        """`axis_name` as a tuple of known, distinct axis names (in the order given)."""
+        names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        for name in names:
+            if name not in self.axis_names:
+                raise ShardingError(f"unknown mesh axis {name!r}; {self!r} has axes {self.axis_names}")
+        if len(set(names)) != len(names):
+            raise ShardingError(f"axis names {names} repeat an axis")
+        return names
+
+    def in_mesh_order(self, axis_name: AxisNames) -> tuple[str, ...]:
+        """The named axes sorted into mesh order."""
+        names = self.axes(axis_name)
+        return tuple(name for name in self.axis_names if name in names)
+
+    def axis_size(self, axis_name: AxisNames) -> int:
+        """Number of ranks along the axis (the product of the sizes for a tuple of axes)."""
+        return math.prod(self.shape[self.axis_names.index(name)] for name in self.axes(axis_name))
+
+    def axis_index(self, axis_name: AxisNames) -> int:
+        """This rank's coordinate along the axis; for a tuple, row-major over the axes in the order given."""
+        index = 0
+        for name in self.axes(axis_name):
+            index = index * self.axis_size(name) + self.device_mesh.get_local_rank(name)
+        return index
+
+    def group(self, axis_name: AxisNames) -> dist.ProcessGroup:
+        """The process group of this rank's line (plane, ...) along the axes; group rank = mesh-order index."""
+        names = self.in_mesh_order(axis_name)
+        if len(names) == 1:
+            return self.device_mesh.get_group(names[0])
+        if names == self.axis_names:
+            # The mesh is arange(world) reshaped, so the world group already lists its ranks in mesh order.
+            return dist.group.WORLD
+        if names not in self._groups:
+            self._groups[names] = self._new_group(names)
+        return self._groups[names]
+
+    def group_name(self, axis_name: AxisNames) -> str:
+        """The name of `group(axis_name)`, as the `_c10d_functional` ops take it."""
+        return self.group(axis_name).group_name
+
+    def _new_group(self, names: tuple[str, ...]) -> dist.ProcessGroup:
+        # Collective over the whole world: every rank creates every group of the partition.
+        dims = [self.axis_names.index(name) for name in names]
+        others = [d for d in range(self.ndim) if d not in dims]
+        ranks = self.device_mesh.mesh.permute(*others, *dims).reshape(-1, self.axis_size(names))
+        group, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
+        return group
+
+    def create_groups(self) -> None:
+        """Create the groups of every multi-axis tuple now (collective), so later use needs no collective."""
+        for count in range(2, self.ndim):
+            for names in itertools.combinations(self.axis_names, count):
+                self.group(names)
+
+
+_MESHES: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()
+_MAKE_MESH_CACHE: dict[tuple, Mesh] = {}
+
+
+def mesh_of(device_mesh: DeviceMesh) -> Mesh:
+    """The `Mesh` wrapping `device_mesh` (the one `make_mesh` built, or a new wrapper for a foreign one)."""
+    mesh = _MESHES.get(id(device_mesh))
+    if mesh is None or mesh.device_mesh is not device_mesh:
+        mesh = Mesh(device_mesh)
+        _MESHES[id(device_mesh)] = mesh
+    return mesh
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _ensure_world(timeout: timedelta) -> None:
+    """Start the default process group if nobody has: from torchrun variables, else a world of one."""
+    if dist.is_initialized():
+        return
+    backend = _default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # No launcher: a single rank needs no rendezvous, so an in-memory store is enough.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()) else "cpu"
+
+
+def make_mesh(
+    shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    *,
+    device_type: str | None = None,
+    virtual: bool = False,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> Mesh:
+    """A mesh of `shape` with named axes over the torch.distributed world.
+
+    Starts the default process group when none is running: from torchrun's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, ...), NCCL if CUDA is available else gloo; without a launcher, a world of one.
+    The mesh must cover the world exactly. Collective: every rank calls it with the same arguments.
+    Calling it again with the same arguments returns the same `Mesh`.
+    """
+    shape = tuple(int(s) for s in shape)
+    axis_names = tuple(axis_names)
+    if len(shape) != len(axis_names):
+        raise ShardingError(f"mesh shape {shape} has {len(shape)} axes but axis_names {axis_names} name "
+                            f"{len(axis_names)}")
+    if len(set(axis_names)) != len(axis_names) or not all(isinstance(n, str) for n in axis_names):
+        raise ShardingError(f"axis_names {axis_names} must be distinct strings")
+    if any(s < 1 for s in shape):
+        raise ShardingError(f"mesh shape {shape} must be positive")
+    _ensure_world(timeout)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ShardingError(f"mesh shape {shape} has {math.prod(shape)} devices but the world has {world} "
+                            f"ranks; launch {math.prod(shape)} processes (`pt3func run -n {math.prod(shape)}`) "
+                            f"or pick a mesh of size {world}")
+    device_type = device_type or _default_device_type()
+    key = (shape, axis_names, device_type, virtual)
+    cached = _MAKE_MESH_CACHE.get(key)
+    if cached is not None and cached._world is dist.group.WORLD:
+        return cached
+    mesh = Mesh(init_device_mesh(device_type, shape, mesh_dim_names=axis_names), virtual=virtual)
+    mesh.create_groups()
+    _MESHES[id(mesh.device_mesh)] = mesh
+    _MAKE_MESH_CACHE[key] = mesh
+    return mesh
+
+
+_CURRENT: ContextVar[Mesh | None] = ContextVar("pt3func_mesh", default=None)
+
+
+class set_mesh:  # noqa: N801 - used like a function
+    """Make `mesh` the current mesh. Works as a setter (`pf.set_mesh(m)`) and as a context manager
+    (`with pf.set_mesh(m): ...` restores the previous mesh on exit)."""
+
+    def __init__(self, mesh: Mesh | None) -> None:
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"set_mesh expects a pf.Mesh (from pf.make_mesh), got {type(mesh).__name__}")
+        self._mesh = mesh
+        self._token = _CURRENT.set(mesh)
+
+    def __enter__(self) -> Mesh | None:
+        return self._mesh
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._token)
+
+
+def get_mesh() -> Mesh | None:
+    """The current mesh (from `set_mesh`), or None."""
+    return _CURRENT.get()

@@ -1,0 +1,99 @@
+"""Moving pytrees onto a mesh and back: `device_put`, `device_get`, `sharding_of`, `with_sharding_constraint`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pt3func.errors import ShardingError
+from pt3func.sharding.mesh import Mesh, get_mesh, mesh_of
+from pt3func.sharding.spec import NamedSharding, PartitionSpec, spec_from_placements
+from pt3func.tree import NAMESPACE, PyTree, keystr
+
+Sharding = NamedSharding | PartitionSpec | None
+
+
+def _is_sharding(x: Any) -> bool:
+    return x is None or isinstance(x, (NamedSharding, PartitionSpec))
+
+
+def broadcast_shardings(tree: PyTree, shardings: PyTree) -> tuple[list[tuple], list[Any], list[Sharding], optree.PyTreeSpec]:
+    """Paths, leaves and the sharding of every leaf of `tree` (`shardings` is a pytree prefix of it)."""
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_sharding, none_is_leaf=True,
+                                                           namespace=NAMESPACE)
+    try:
+        per_leaf = optree.broadcast_prefix(shardings, tree, is_leaf=_is_sharding, none_is_leaf=True,
+                                           namespace=NAMESPACE)
+    except ValueError as e:
+        raise ShardingError(f"the shardings are not a pytree prefix of the value: {e}") from None
+    return paths, leaves, per_leaf, treedef
+
+
+def _resolve(sharding: Sharding, path: tuple) -> NamedSharding | None:
+    """`sharding` as a NamedSharding on an explicit or the current mesh; None when there is no mesh at all."""
+    if isinstance(sharding, NamedSharding):
+        return sharding
+    mesh = get_mesh()
+    if mesh is None:
+        if sharding is None:
+            return None
+        raise ShardingError(f"at {keystr(path) or 'the root'}: spec {sharding} needs a mesh; call "
+                            f"pf.set_mesh(mesh) or pass pf.NamedSharding(mesh, spec)")
+    return NamedSharding(mesh, sharding if sharding is not None else PartitionSpec())
+
+
+def _put_leaf(x: Any, sharding: Sharding, path: tuple, src_data_rank: int | None) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    named = _resolve(sharding, path)
+    if named is None:
+        return x
+    placements = named.placements(tuple(x.shape), path)
+    device_mesh = named.mesh.device_mesh
+    if isinstance(x, DTensor):
+        if x.device_mesh is device_mesh:
+            return x.redistribute(device_mesh, placements)
+        x = x.full_tensor()
+    return distribute_tensor(x, device_mesh, placements, src_data_rank=src_data_rank)
+
+
+def device_put(tree: PyTree, shardings: PyTree = None) -> PyTree:
+    """Place every tensor of `tree` on a mesh as a DTensor.
+
+    `shardings` is a pytree prefix of `tree` whose leaves are `NamedSharding`, `P` (on the current mesh,
+    see `set_mesh`) or None (replicated on the current mesh; left as is when no mesh is set).
+    A plain tensor is the full value: rank 0's copy is the one scattered (ranks should hold the same value).
+    A DTensor is redistributed. Non-tensor leaves pass through.
+    """
+    paths, leaves, per_leaf, treedef = broadcast_shardings(tree, shardings)
+    out = [_put_leaf(x, s, path, src_data_rank=0) for path, x, s in zip(paths, leaves, per_leaf)]
+    return optree.tree_unflatten(treedef, out)
+
+
+def device_get(tree: PyTree) -> PyTree:
+    """Every DTensor of `tree` as its full plain tensor (collective); everything else unchanged."""
+    return optree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree,
+                           none_is_leaf=True, namespace=NAMESPACE)
+
+
+def sharding_of(x: Any) -> NamedSharding | None:
+    """The NamedSharding of a DTensor, None for anything else."""
+    if not isinstance(x, DTensor):
+        return None
+    mesh: Mesh = mesh_of(x.device_mesh)
+    return NamedSharding(mesh, spec_from_placements(x.placements, mesh, x.ndim))
+
+
+def with_sharding_constraint(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Make every tensor of `tree` have the given sharding (a pytree prefix, as in `device_put`).
+
+    DTensors are redistributed (inside `jit` this is where the collective goes). Plain tensors are taken
+    as the same full value on every rank and split locally, with no communication; None leaves a leaf as is.
+    """
+    paths, leaves, per_leaf, treedef = broadcast_shardings(tree, shardings)
+    out = [x if s is None else _put_leaf(x, s, path, src_data_rank=None)
+           for path, x, s in zip(paths, leaves, per_leaf)]
+    return optree.tree_unflatten(treedef, out)

@@ -1,0 +1,280 @@
+"""`pf.lax`: collectives over named mesh axes, on the local blocks a `shard_map`'ed function sees.
+
+Each is a `torch.autograd.Function` whose forward and backward call one `_c10d_functional` op plus
+`wait_tensor`, so it traces into FX graphs as an explicit collective and differentiates under both
+`torch.autograd.grad` and `torch.func.grad`.
+
+Gradient convention (JAX's `shard_map` with `check_rep=False`): the cotangent of a value that is the
+same on every rank of an axis is held *unreduced*: the true cotangent is the sum of the ranks' pieces.
+So each collective transposes to its linear transpose: psum <-> psum, all_gather <-> psum_scatter,
+all_to_all <-> all_to_all with split/concat swapped, ppermute <-> ppermute with the inverse
+permutation. `shard_map` keeps the convention at its boundary: the cotangent of an output replicated
+over N ranks is divided by N on the way in, and the cotangents of a replicated input are summed over
+its ranks on the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from pt3func._compat import c10d_functional as ops
+from pt3func.errors import ShardingError
+from pt3func.sharding.mesh import AxisNames, Mesh
+
+_BOUND: ContextVar[Mesh | None] = ContextVar("pt3func_axis_env", default=None)
+
+
+@contextmanager
+def bind_axes(mesh: Mesh) -> Iterator[Mesh]:
+    """Within the block, pf.lax resolves axis names against `mesh` (what `shard_map` does around `f`)."""
+    token = _BOUND.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _BOUND.reset(token)
+
+
+@dataclass(frozen=True)
+class _Axes:
+    group_name: str
+    size: int
+    index: int  # this rank's position in the group
+
+
+def _bound_mesh(axis_name: AxisNames) -> Mesh:
+    mesh = _BOUND.get()
+    if mesh is None:
+        raise ShardingError(f"axis name {axis_name!r} is not bound: pf.lax collectives run inside "
+                            f"pf.shard_map, on the local blocks it passes to the function")
+    return mesh
+
+
+def _resolve(axis_name: AxisNames, *, ordered: bool) -> _Axes:
+    """The group of `axis_name` on the bound mesh; `ordered` ops need the axes listed in mesh order."""
+    mesh = _bound_mesh(axis_name)
+    names = mesh.axes(axis_name)
+    if ordered and names != mesh.in_mesh_order(names):
+        raise ShardingError(f"axes {names} must be listed in mesh order {mesh.in_mesh_order(names)} here: "
+                            f"the result's block order follows the mesh")
+    return _Axes(mesh.group_name(names), mesh.axis_size(names), mesh.axis_index(names))
+
+
+def _dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ShardingError(f"dim {dim} is out of range for a tensor of rank {ndim}")
+    return dim % ndim
+
+
+def _check_divisible(x: torch.Tensor, dim: int, axes: _Axes, what: str) -> None:
+    if x.shape[dim] % axes.size:
+        raise ShardingError(f"{what}: dim {dim} of shape {tuple(x.shape)} is not divisible by the axis "
+                            f"size {axes.size}")
+
+
+# Raw collectives: no autograd, one functional op + wait each.
+
+def _all_reduce(x: torch.Tensor, axes: _Axes) -> torch.Tensor:
+    with torch.no_grad():
+        return ops.wait_tensor(ops.all_reduce(x.contiguous(), "sum", axes.group_name))
+
+
+def _all_gather(x: torch.Tensor, dim: int, axes: _Axes) -> torch.Tensor:
+    with torch.no_grad():
+        y = ops.wait_tensor(ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), axes.size,
+                                                       axes.group_name))
+        return y.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, axes: _Axes) -> torch.Tensor:
+    with torch.no_grad():
+        y = ops.wait_tensor(ops.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", axes.size,
+                                                      axes.group_name))
+        return y.movedim(0, dim)
+
+
+def _all_to_all(x: torch.Tensor, split: int, concat: int, axes: _Axes) -> torch.Tensor:
+    """Block j of dim `split` goes to rank j; the blocks received are concatenated along `concat`."""
+    with torch.no_grad():
+        moved = x.movedim(split, 0)
+        rows = moved.shape[0] // axes.size
+        sizes = [rows] * axes.size
+        y = ops.wait_tensor(ops.all_to_all_single(moved.contiguous(), sizes, sizes, axes.group_name))
+        pieces = y.view(axes.size, rows, *moved.shape[1:]).movedim(1, split + 1)  # [source rank, *piece]
+        piece = pieces.shape[1:]
+        return pieces.movedim(0, concat).reshape(*piece[:concat], axes.size * piece[concat], *piece[concat + 1:])
+
+
+def _ppermute(x: torch.Tensor, perm: Sequence[tuple[int, int]], axes: _Axes) -> torch.Tensor:
+    """An all_to_all_single with one non-empty split: each rank sends (and receives) exactly one block."""
+    with torch.no_grad():
+        flat = x.reshape(-1).contiguous()
+        send = [0] * axes.size
+        recv = [0] * axes.size
+        dst = dict(perm).get(axes.index)
+        src = {d: s for s, d in perm}.get(axes.index)
+        if dst is not None:
+            send[dst] = flat.numel()
+        if src is not None:
+            recv[src] = flat.numel()
+        y = ops.wait_tensor(ops.all_to_all_single(flat if dst is not None else flat[:0], recv, send,
+                                                  axes.group_name))
+        return y.view(x.shape) if src is not None else torch.zeros_like(x)
+
+
+# Differentiable collectives.
+
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, axes: _Axes) -> torch.Tensor:
+        return _all_reduce(x, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.axes = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.axes), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, dim: int, axes: _Axes) -> torch.Tensor:
+        return _all_gather(x, dim, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.dim, ctx.axes = inputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.axes), None, None
+
+
+class _PsumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, dim: int, axes: _Axes) -> torch.Tensor:
+        return _reduce_scatter(x, dim, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.dim, ctx.axes = inputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.axes), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, split: int, concat: int, axes: _Axes) -> torch.Tensor:
+        return _all_to_all(x, split, concat, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.split, ctx.concat, ctx.axes = inputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.concat, ctx.split, ctx.axes), None, None, None
+
+
+class _Ppermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, perm: tuple[tuple[int, int], ...], axes: _Axes) -> torch.Tensor:
+        return _ppermute(x, perm, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.perm, ctx.axes = inputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ppermute(grad, tuple((d, s) for s, d in ctx.perm), ctx.axes), None, None
+
+
+# Public API.
+
+def psum(x: torch.Tensor, axis_name: AxisNames) -> torch.Tensor:
+    """Sum of `x` over the ranks of the axis (or axes); every rank gets the sum."""
+    axes = _resolve(axis_name, ordered=False)
+    if not isinstance(x, torch.Tensor):
+        return x * axes.size  # JAX's psum(1, axis) == axis size
+    return _Psum.apply(x, axes)
+
+
+def pmean(x: torch.Tensor, axis_name: AxisNames) -> torch.Tensor:
+    """Mean of `x` over the ranks of the axis (or axes)."""
+    return psum(x, axis_name) / axis_size(axis_name)
+
+
+def all_gather(x: torch.Tensor, axis_name: AxisNames, *, axis: int = 0, tiled: bool = True) -> torch.Tensor:
+    """The blocks of all ranks, in rank order: concatenated along `axis` (tiled), else stacked on a new
+    `axis`. (JAX's default is tiled=False.) Transpose: `psum_scatter`."""
+    axes = _resolve(axis_name, ordered=True)
+    if not tiled:
+        axis = _dim(axis, x.ndim + 1)
+        return _AllGather.apply(x.unsqueeze(axis), axis, axes)
+    return _AllGather.apply(x, _dim(axis, x.ndim), axes)
+
+
+def psum_scatter(x: torch.Tensor, axis_name: AxisNames, *, scatter_dimension: int = 0,
+                 tiled: bool = True) -> torch.Tensor:
+    """Sum over the ranks, of which rank i keeps block i of `scatter_dimension` (tiled), else index i of a
+    dim of size axis_size, which is removed. (JAX's default is tiled=False.) Transpose: `all_gather`."""
+    axes = _resolve(axis_name, ordered=True)
+    dim = _dim(scatter_dimension, x.ndim)
+    if tiled:
+        _check_divisible(x, dim, axes, "psum_scatter")
+        return _PsumScatter.apply(x, dim, axes)
+    if x.shape[dim] != axes.size:
+        raise ShardingError(f"psum_scatter(tiled=False): dim {dim} of shape {tuple(x.shape)} must equal the "
+                            f"axis size {axes.size}")
+    return _PsumScatter.apply(x, dim, axes).squeeze(dim)
+
+
+def all_to_all(x: torch.Tensor, axis_name: AxisNames, split_axis: int, concat_axis: int, *,
+               tiled: bool = True) -> torch.Tensor:
+    """Split `split_axis` into axis_size blocks, send block j to rank j, concatenate what arrives along
+    `concat_axis` in rank order (tiled). With tiled=False (JAX's default), `split_axis` must have size
+    axis_size; it is removed and the received blocks are stacked on a new `concat_axis`.
+    Transpose: all_to_all with the two axes swapped."""
+    axes = _resolve(axis_name, ordered=True)
+    split = _dim(split_axis, x.ndim)
+    if tiled:
+        _check_divisible(x, split, axes, "all_to_all")
+        return _AllToAll.apply(x, split, _dim(concat_axis, x.ndim), axes)
+    if x.shape[split] != axes.size:
+        raise ShardingError(f"all_to_all(tiled=False): dim {split} of shape {tuple(x.shape)} must equal the "
+                            f"axis size {axes.size}")
+    # Exchanging along `split` leaves the source rank at `split`; then it moves to `concat_axis`.
+    return _AllToAll.apply(x, split, split, axes).movedim(split, _dim(concat_axis, x.ndim))
+
+
+def ppermute(x: torch.Tensor, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send `x` from rank `src` to rank `dst` for each `(src, dst)` of `perm` (positions along the axis);
+    a rank nobody sends to gets zeros. One `all_to_all_single` with a single non-empty split per rank:
+    each rank moves exactly its own block. Transpose: the inverse permutation."""
+    axes = _resolve(axis_name, ordered=True)
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    sources, dests = [s for s, _ in perm], [d for _, d in perm]
+    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
+        raise ShardingError(f"ppermute: perm {perm} sends from or to a rank twice")
+    if not all(0 <= r < axes.size for r in sources + dests):
+        raise ShardingError(f"ppermute: perm {perm} names a rank outside the axis size {axes.size}")
+    return _Ppermute.apply(x, perm, axes)
+
+
+def axis_index(axis_name: AxisNames) -> int:
+    """This rank's position along the axis (row-major over a tuple of axes, in the order given)."""
+    return _bound_mesh(axis_name).axis_index(axis_name)
+
+
+def axis_size(axis_name: AxisNames) -> int:
+    """Number of ranks along the axis (product over a tuple of axes)."""
+    return _bound_mesh(axis_name).axis_size(axis_name)

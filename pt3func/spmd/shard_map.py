@@ -1,0 +1,109 @@
+"""`shard_map`: run a function on each rank's local blocks, with pf.lax collectives between them."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from pt3func.errors import ShardingError
+from pt3func.sharding.mesh import Mesh, get_mesh
+from pt3func.sharding.put import broadcast_shardings
+from pt3func.sharding.spec import PartitionSpec, placements_for
+from pt3func.spmd.collectives import bind_axes
+from pt3func.tree import PyTree, keystr
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the cotangent by `scale` (see the gradient convention in collectives)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _spec(spec: Any, path: tuple) -> PartitionSpec:
+    if spec is None:
+        return PartitionSpec()
+    if not isinstance(spec, PartitionSpec):
+        raise ShardingError(f"at {keystr(path) or 'the root'}: shard_map specs are P(...), got {spec!r}")
+    return spec
+
+
+def _to_local(x: Any, spec: Any, mesh: Mesh, path: tuple) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    placements = placements_for(_spec(spec, path), mesh, tuple(x.shape), path)
+    if isinstance(x, DTensor):
+        if x.device_mesh is not mesh.device_mesh:
+            raise ShardingError(f"at {keystr(path) or 'the root'}: the input lives on {x.device_mesh}, not on "
+                                f"the shard_map mesh {mesh!r}")
+    else:
+        # A plain tensor is the full value, the same on every rank.
+        x = DTensor.from_local(x, mesh.device_mesh, [Replicate()] * mesh.ndim, run_check=False)
+    x = x.redistribute(mesh.device_mesh, placements)
+    # Cotangents of replicated blocks come back unreduced: Partial makes autograd sum them.
+    grad_placements = [Partial() if isinstance(p, Replicate) else p for p in placements]
+    return x.to_local(grad_placements=grad_placements)
+
+
+def _from_local(y: Any, spec: Any, mesh: Mesh, path: tuple) -> Any:
+    if not isinstance(y, torch.Tensor):
+        return y
+    spec = _spec(spec, path)
+    if len(spec) > y.ndim:
+        raise ShardingError(f"at {keystr(path) or 'the root'}: out spec {spec} is longer than the rank of the "
+                            f"output block, shape {tuple(y.shape)}")
+    placements = placements_for(spec, mesh, path=path)
+    shape = list(y.shape)
+    for axis, p in zip(mesh.axis_names, placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh.axis_size(axis)
+    replicas = math.prod(mesh.axis_size(a) for a, p in zip(mesh.axis_names, placements) if isinstance(p, Replicate))
+    if replicas > 1:
+        y = _ScaleGrad.apply(y, 1.0 / replicas)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(y, mesh.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def shard_map(f: Callable[..., Any], mesh: Mesh | None = None, in_specs: PyTree = None,
+              out_specs: PyTree = None, check_rep: bool = False) -> Callable[..., Any]:
+    """`f` on each rank's local blocks: SPMD code with explicit collectives (`pf.lax.*`).
+
+    `in_specs` is a pytree prefix of the positional arguments (a tuple), `out_specs` one of `f`'s output;
+    leaves are `P(...)` (None means `P()`). Each input (a DTensor, or a plain tensor taken as the full value
+    held by every rank) is redistributed to its spec and `f` gets its local block. Each output block is
+    wrapped as a DTensor: an axis named in its spec concatenates the blocks along that dim; over axes not
+    named the output is taken as replicated (not checked: `check_rep=True` is not supported).
+    Differentiable end to end; see `pt3func.spmd.collectives` for the gradient convention.
+    """
+    if check_rep:
+        raise NotImplementedError("shard_map(check_rep=True) is not supported: replication is not checked")
+
+    @functools.wraps(f)
+    def wrapped(*args: Any) -> Any:
+        m = mesh or get_mesh()
+        if m is None:
+            raise ShardingError("shard_map needs a mesh: pass mesh= or call pf.set_mesh(mesh)")
+        paths, leaves, specs, treedef = broadcast_shardings(args, in_specs)
+        local = optree.tree_unflatten(treedef, [_to_local(x, s, m, p) for p, x, s in zip(paths, leaves, specs)])
+        with bind_axes(m):
+            out = f(*local)
+        paths, leaves, specs, treedef = broadcast_shardings(out, out_specs)
+        return optree.tree_unflatten(treedef, [_from_local(y, s, m, p) for p, y, s in zip(paths, leaves, specs)])
+
+    return wrapped

@@ -1,0 +1,191 @@
+"""The stages of a jitted step, as in JAX: `Jitted` -> `Lowered` -> `Compiled`; each can be printed."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from pt3func import analysis, tree
+from pt3func.config import config
+from pt3func.errors import DonationError
+from pt3func.passes.donation import DonationPlan
+from pt3func.runtime.backend import compile_program
+from pt3func.runtime.donated import invalidate
+
+
+@dataclass
+class Program:
+    """A traced, lowered step and how its flat inputs and outputs map back to the user's pytrees."""
+
+    name: str
+    graph_module: fx.GraphModule
+    treedef: Any  # of (dynamic args, dynamic kwargs)
+    static: tuple
+    input_labels: list[str]  # per call leaf
+    input_leaf_kind: list[str]  # per call leaf: "tensor" | "scalar" | "static"
+    scalar_dtypes: dict[int, torch.dtype]  # call leaf index -> dtype it is traced as
+    graph_input_leaves: list[int]  # call leaf index of each graph input
+    out_treedef: Any
+    out_labels: list[str]
+    out_constants: dict[int, Any]  # output leaf index -> Python value
+    graph_output_leaves: list[int]  # output leaf index of each graph output, after donation
+    donation: DonationPlan
+    donated_leaves: list[int]  # call leaf indices the user donated
+    backend: str
+    scalar_device: torch.device
+    notes: dict[fx.Node, str] = field(default_factory=dict)
+
+    def graph_input_labels(self) -> list[str]:
+        return [self.input_labels[i] for i in self.graph_input_leaves]
+
+    def graph_output_labels(self) -> list[str]:
+        return [self.out_labels[j] for j in self.graph_output_leaves]
+
+
+class Lowered:
+    """A step traced and lowered for one input signature; not yet compiled."""
+
+    def __init__(self, program: Program, example_inputs: Sequence[torch.Tensor]):
+        self._program = program
+        self._example_inputs = list(example_inputs)
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The per-device program as an FX GraphModule of aten ops (do not mutate it)."""
+        return self._program.graph_module
+
+    def as_text(self) -> str:
+        """The per-device program, one op a line, with the user's source line of each op."""
+        p = self._program
+        donated = {
+            gi: "donated -> " + p.out_labels[j]
+            for j, i in p.donation.aliases.items()
+            for gi, leaf in enumerate(p.graph_input_leaves)
+            if leaf == i
+        }
+        text = analysis.program_text(
+            p.graph_module, p.name, p.graph_input_labels(), p.graph_output_labels(), donated, p.notes
+        )
+        return text
+
+    def cost_analysis(self) -> dict[str, Any]:
+        """`flops` of one call (forward, backward and update) and `comm_bytes` per collective kind."""
+        gm = self._program.graph_module
+        return {"flops": analysis.flops(gm), "comm_bytes": analysis.comm_bytes(gm)}
+
+    def memory_analysis(self) -> dict[str, int]:
+        """Bytes of arguments, outputs, donated buffers, temporaries and peak (see `analysis.memory_analysis`)."""
+        p = self._program
+        aliased = [gi for gi, leaf in enumerate(p.graph_input_leaves) if leaf in p.donation.donated_inputs]
+        return analysis.memory_analysis(p.graph_module, aliased)
+
+    def donation_report(self) -> list[dict[str, Any]]:
+        """One row per donated leaf: its label, whether its buffer is reused, for which output, or why not."""
+        p = self._program
+        by_input = {i: j for j, i in p.donation.aliases.items()}
+        rows = []
+        for i in p.donated_leaves:
+            row = {"input": p.input_labels[i], "aliased": i in by_input}
+            if i in by_input:
+                row["output"] = p.out_labels[by_input[i]]
+            else:
+                row["reason"] = p.donation.unused.get(i, "not a tensor")
+            rows.append(row)
+        return rows
+
+    def compile(self) -> Compiled:
+        """Compile with the chosen backend (Inductor compiles here, once)."""
+        p = self._program
+        runner = compile_program(p.graph_module, self._example_inputs, p.backend)
+        return Compiled(self, runner)
+
+
+class Compiled:
+    """A compiled step for one input signature: call it like the original function."""
+
+    def __init__(self, lowered: Lowered, runner: Callable[..., Sequence[torch.Tensor]]):
+        self.lowered = lowered
+        self._runner = runner
+        p = lowered._program
+        self._program = p
+        self._aliased_input_of = {j: p.graph_input_leaves.index(i) for j, i in p.donation.aliases.items()}
+        self._invalidate = [i for i in p.donated_leaves if i in p.donation.donated_inputs]
+        self._check_overlap = bool(p.donated_leaves)
+        self._warned = False
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def cost_analysis(self) -> dict[str, Any]:
+        return self.lowered.cost_analysis()
+
+    def memory_analysis(self) -> dict[str, int]:
+        return self.lowered.memory_analysis()
+
+    def donation_report(self) -> list[dict[str, Any]]:
+        return self.lowered.donation_report()
+
+    def report_unused_donations(self) -> None:
+        """Warn (or raise under `config.strict_donation`) about donated leaves whose buffer is not reused."""
+        p = self._program
+        if not p.donation.unused:
+            return
+        lines = "\n".join(f"  {p.input_labels[i]}: {why}" for i, why in sorted(p.donation.unused.items()))
+        message = f"{p.name}: some donated buffers cannot be reused and were not donated:\n{lines}"
+        if config.strict_donation:
+            raise DonationError(message + "\n(pf.config.strict_donation is on)")
+        warnings.warn(message, stacklevel=4)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from pt3func.trace.signature import split_call
+
+        jitted = self._jitted
+        leaves, _treedef, _static = split_call(jitted._spec, args, kwargs)
+        return self.run_leaves(leaves)
+
+    def run_leaves(self, leaves: list[Any]) -> Any:
+        p = self._program
+        if self._check_overlap:
+            _check_donation_overlap(p, leaves)
+        inputs = []
+        for i in p.graph_input_leaves:
+            leaf = leaves[i]
+            if not isinstance(leaf, torch.Tensor):
+                leaf = torch.tensor(leaf, dtype=p.scalar_dtypes[i], device=p.scalar_device)
+            inputs.append(leaf)
+        with torch.no_grad():
+            outs = self._runner(*inputs)
+        out_leaves: list[Any] = [None] * p.out_treedef.num_leaves
+        for j, value in p.out_constants.items():
+            out_leaves[j] = value
+        for j, value in zip(p.graph_output_leaves, outs):
+            out_leaves[j] = value
+        for j, gi in self._aliased_input_of.items():
+            out_leaves[j] = inputs[gi].detach()
+        where = f"jitted '{p.name}'"
+        for i in self._invalidate:
+            invalidate(leaves[i], where)
+        return tree.unflatten(p.out_treedef, out_leaves)
+
+
+def _check_donation_overlap(p: Program, leaves: list[Any]) -> None:
+    """Refuse a call where a donated buffer is also passed elsewhere (twice donated, or donated and read)."""
+    seen: dict[int, int] = {}
+    donated = set(p.donated_leaves)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0:
+            continue
+        ptr = leaf.untyped_storage().data_ptr()
+        other = seen.get(ptr)
+        if other is not None and (i in donated or other in donated):
+            raise DonationError(
+                f"{p.name}: {p.input_labels[other]} and {p.input_labels[i]} share one buffer, and at least one "
+                "of them is donated: the step would overwrite memory it still reads. Pass a copy (.clone()) "
+                "or do not donate it."
+            )
+        seen[ptr] = i

@@ -1,0 +1,1 @@
+"""Tracing a pure step into an aten FX graph."""

@@ -1,0 +1,182 @@
+"""Trace a pure function of flat tensors into one aten FX graph, refusing impure or dynamic steps.
+
+The trace runs in fake mode (no real compute, no real memory), records the whole step (forward,
+the backward that `torch.autograd.grad` runs, the optimizer) and the user's source line of every op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+
+from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError
+from pt3func.trace.source import describe, is_user_file, user_frame_in_stack_trace, user_frame_in_traceback
+
+_DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (GuardOnDataDependentSymNode,)
+try:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    _DATA_DEPENDENT_ERRORS += (DataDependentOutputException, DynamicOutputShapeException)
+except ImportError:  # pragma: no cover - names are stable across 2.11-2.13
+    pass
+
+_FIX_CONTROL_FLOW = (
+    "A jitted step is traced once into a static program, so it cannot branch in Python on a tensor's "
+    "value. Use torch.where / masking, or pass the value as a static argument (static_argnums / "
+    "static_argnames) so each value gets its own program."
+)
+
+
+@contextlib.contextmanager
+def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
+    """Make `print(t)` / `str(t)` / f-strings of a traced tensor inside user code raise, not print garbage."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("__repr__", "__str__", "__format__")}
+
+    def guarded(name: str) -> Callable:
+        original = originals[name]
+
+        def method(self: torch.Tensor, *args: object) -> str:
+            caller = sys._getframe(1)
+            if is_user_file(caller.f_code.co_filename):
+                raise ImpureFunctionError(
+                    f"{describe(caller.f_code.co_filename, caller.f_lineno)}: printing or formatting a tensor "
+                    f"inside jitted '{fn_name}' is I/O, which a static program cannot do (the value does not "
+                    "exist while tracing). Return the value as an output (e.g. in a metrics dict) and print "
+                    "it outside the step."
+                )
+            return original(self, *args)
+
+        return method
+
+    for name in originals:
+        setattr(torch.Tensor, name, guarded(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@contextlib.contextmanager
+def _record_user_frames() -> Iterator[None]:
+    """Keep the user's frames in each node's stack trace.
+
+    make_fx's tracer keeps only frames named `forward` (it was written for nn.Modules); a pure step has
+    none, so swap in a filter that keeps every frame outside torch and pt3func.
+    """
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer
+
+    had_own = "_filter_traceback_frames" in PythonKeyTracer.__dict__
+    original = PythonKeyTracer.__dict__.get("_filter_traceback_frames")
+
+    def keep_user_frames(self: object, summary: traceback.StackSummary) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
+
+    PythonKeyTracer._filter_traceback_frames = keep_user_frames
+    try:
+        yield
+    finally:
+        if had_own:
+            PythonKeyTracer._filter_traceback_frames = original
+        else:
+            del PythonKeyTracer._filter_traceback_frames
+
+
+def trace(
+    fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor], fn_name: str
+) -> torch.fx.GraphModule:
+    """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
+    try:
+        with _no_printing_traced_tensors(fn_name), _record_user_frames():
+            gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*example_inputs)
+    except _DATA_DEPENDENT_ERRORS as exc:
+        frame = user_frame_in_traceback(exc.__traceback__)
+        where = describe(*frame) if frame else f"in '{fn_name}'"
+        raise DataDependentControlFlowError(
+            f"{where}: Python control flow on a tensor value. {_FIX_CONTROL_FLOW}"
+        ) from None
+    check_static(gm, fn_name)
+    return gm
+
+
+def _where(node: torch.fx.Node, fn_name: str) -> str:
+    frame = user_frame_in_stack_trace(node.meta.get("stack_trace"))
+    return describe(*frame) if frame else f"in '{fn_name}'"
+
+
+def check_static(gm: torch.fx.GraphModule, fn_name: str) -> None:
+    """Refuse reads of tensor values into Python (`.item()`, `.tolist()`) and data-dependent shapes."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._local_scalar_dense.default:
+            raise DataDependentControlFlowError(
+                f"{_where(node, fn_name)}: reads a tensor's value into Python (.item(), .tolist(), float(t), "
+                f"int(t)). {_FIX_CONTROL_FLOW}"
+            )
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
+            raise DataDependentControlFlowError(
+                f"{_where(node, fn_name)}: `{node.target}` gives a shape that depends on tensor values "
+                "(boolean masking, nonzero, unique ...). A static program needs static shapes: use "
+                "torch.where or a mask multiply instead."
+            )
+
+
+def _is_view(target: object) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                out.append(value)
+    return out
+
+
+def storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow view ops (view, t, slice, detach, ...) back to the node that owns the storage."""
+    while (
+        node.op == "call_function" and _is_view(node.target) and node.args and isinstance(node.args[0], torch.fx.Node)
+    ):
+        node = node.args[0]
+    return node
+
+
+def check_no_input_mutation(gm: torch.fx.GraphModule, input_names: Sequence[str], fn_name: str) -> None:
+    """Refuse in-place writes into an input (or a view of one) or into a tensor captured from outside."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = dict(zip(placeholders, input_names))
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in _mutated_args(node):
+            root = storage_root(target)
+            if root.op == "placeholder":
+                what = f"input {names.get(root, root.name)}"
+            elif root.op == "get_attr":
+                what = "a tensor captured from outside the step (a closure or global)"
+            else:
+                continue
+            op = getattr(node.target, "__name__", str(node.target))
+            raise ImpureFunctionError(
+                f"{_where(node, fn_name)}: `{op}` writes in place into {what}. A jitted step must be pure: "
+                "compute a new tensor and return it (x = x + 1, not x += 1); to reuse the input's memory, "
+                "donate it (donate_argnums)."
+            )

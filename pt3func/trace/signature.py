@@ -1,0 +1,193 @@
+"""How a call's arguments become a program's inputs: static vs traced, donated or not, and the cache key."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pt3func import tree
+from pt3func.errors import TracingError
+
+SCALAR_TYPES = (bool, int, float)
+
+
+def _normalize(nums: int | Sequence[int], nparams: int | None, what: str) -> frozenset[int]:
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    out = set()
+    for n in nums:
+        if n < 0:
+            if nparams is None:
+                raise ValueError(f"negative {what} {n} needs a function with a known signature")
+            n += nparams
+        out.add(n)
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """Which positional indices / keyword names are static and which are donated."""
+
+    static_argnums: frozenset[int]
+    static_argnames: frozenset[str]
+    donate_argnums: frozenset[int]
+    donate_argnames: frozenset[str]
+    param_names: tuple[str, ...]
+
+    @classmethod
+    def build(
+        cls,
+        fn: Callable[..., Any],
+        static_argnums: int | Sequence[int],
+        static_argnames: str | Sequence[str],
+        donate_argnums: int | Sequence[int],
+        donate_argnames: str | Sequence[str],
+    ) -> ArgSpec:
+        try:
+            params = [
+                p
+                for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            ]
+        except (TypeError, ValueError):
+            params = None
+        names = tuple(p.name for p in params) if params is not None else ()
+        positional = [p.name for p in params if p.kind != p.KEYWORD_ONLY] if params is not None else []
+        nparams = len(positional) if params is not None else None
+        s_nums = set(_normalize(static_argnums, nparams, "static_argnums"))
+        d_nums = set(_normalize(donate_argnums, nparams, "donate_argnums"))
+        s_names = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
+        d_names = {donate_argnames} if isinstance(donate_argnames, str) else set(donate_argnames)
+        # As in JAX: a name given by position is also static/donated when passed by keyword, and vice versa.
+        for nums, nameset in ((s_nums, s_names), (d_nums, d_names)):
+            for i in list(nums):
+                if i < len(positional):
+                    nameset.add(positional[i])
+            for name in list(nameset):
+                if name in positional:
+                    nums.add(positional.index(name))
+                elif params is not None and name not in names:
+                    raise ValueError(f"{getattr(fn, '__name__', fn)} has no parameter named {name!r}")
+        both = (s_nums & d_nums) | (s_names & d_names)
+        if both:
+            raise ValueError(f"arguments {sorted(map(str, both))} cannot be both static and donated")
+        return cls(frozenset(s_nums), frozenset(s_names), frozenset(d_nums), frozenset(d_names), tuple(positional))
+
+    def arg_label(self, where: Any) -> str:
+        """`params` for positional 0 of `train_step(params, ...)`, else `args[0]` / the keyword."""
+        if isinstance(where, int):
+            return self.param_names[where] if where < len(self.param_names) else f"args[{where}]"
+        return str(where)
+
+
+@dataclass
+class CallLayout:
+    """A call split into static values and a flat list of traced leaves."""
+
+    leaves: list[Any]
+    treedef: tree.TreeSpec
+    static: tuple[Any, ...]
+    arg_of_leaf: list[Any]  # positional index or keyword name each leaf came from (built lazily on trace)
+
+
+def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any, tuple]:
+    """Return `(leaves, treedef, static)` for a call; `static` is hashable and part of the cache key."""
+    if spec.static_argnums:
+        static_pos = tuple((i, args[i]) for i in sorted(spec.static_argnums) if i < len(args))
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in spec.static_argnums)
+    else:
+        static_pos, dyn_args = (), args
+    if kwargs:
+        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in spec.static_argnames))
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in spec.static_argnames}
+    else:
+        static_kw, dyn_kwargs = (), kwargs
+    leaves, treedef = tree.flatten((dyn_args, dyn_kwargs))
+    return leaves, treedef, (static_pos, static_kw)
+
+
+def leaf_key(leaf: Any) -> Any:
+    """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
+    if isinstance(leaf, torch.Tensor):
+        placement = getattr(leaf, "placements", None)
+        if placement is not None:
+            return (
+                type(leaf),
+                leaf.shape,
+                leaf.dtype,
+                leaf.device_mesh,
+                placement,
+                leaf._local_tensor.stride(),
+            )
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
+    if isinstance(leaf, SCALAR_TYPES):
+        return type(leaf)
+    return ("static", leaf)
+
+
+def describe_leaf(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        placement = getattr(leaf, "placements", None)
+        text = f"{str(leaf.dtype).replace('torch.', '')}{list(leaf.shape)} on {leaf.device}"
+        return text + (f" placements={placement}" if placement is not None else "")
+    if isinstance(leaf, SCALAR_TYPES):
+        return f"Python {type(leaf).__name__} (traced)"
+    return f"static {leaf!r}"
+
+
+def leaf_labels(spec: ArgSpec, treedef: Any, static: tuple) -> list[str]:
+    """A readable name per flat leaf: `params['fc1']['weight']`, `batch[0]`, `lr`."""
+    (static_pos, _static_kw) = static
+    static_idx = {i for i, _ in static_pos}
+    skeleton = tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    dyn_args, dyn_kwargs = skeleton
+    positions = [i for i in range(len(dyn_args) + len(static_idx)) if i not in static_idx]
+    labels: list[str] = [""] * treedef.num_leaves
+    for pos, sub in zip(positions, dyn_args):
+        for path, idx in zip(tree.paths(sub), tree.leaves(sub)):
+            labels[idx] = spec.arg_label(pos) + tree.keystr(path)
+    for name, sub in dyn_kwargs.items():
+        for path, idx in zip(tree.paths(sub), tree.leaves(sub)):
+            labels[idx] = name + tree.keystr(path)
+    return labels
+
+
+def leaf_argument(spec: ArgSpec, treedef: Any, static: tuple) -> list[Any]:
+    """The positional index (int) or keyword name (str) each flat leaf belongs to."""
+    (static_pos, _static_kw) = static
+    static_idx = {i for i, _ in static_pos}
+    dyn_args, dyn_kwargs = tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    positions = [i for i in range(len(dyn_args) + len(static_idx)) if i not in static_idx]
+    owner: list[Any] = [None] * treedef.num_leaves
+    for pos, sub in zip(positions, dyn_args):
+        for idx in tree.leaves(sub):
+            owner[idx] = pos
+    for name, sub in dyn_kwargs.items():
+        for idx in tree.leaves(sub):
+            owner[idx] = name
+    return owner
+
+
+def rebuild_call(treedef: Any, static: tuple, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Inverse of `split_call`: the `(args, kwargs)` to call the user's function with."""
+    dyn_args, dyn_kwargs = tree.unflatten(treedef, leaves)
+    static_pos, static_kw = static
+    args = list(dyn_args)
+    for i, value in static_pos:
+        args.insert(i, value)
+    kwargs = dict(dyn_kwargs)
+    kwargs.update(static_kw)
+    return tuple(args), kwargs
+
+
+def check_hashable(static: tuple, labels_for_static: Callable[[], list[str]]) -> None:
+    try:
+        hash(static)
+    except TypeError as exc:
+        raise TracingError(
+            f"static arguments must be hashable (they key the compile cache): {exc}. "
+            f"Static here: {', '.join(labels_for_static())}"
+        ) from None

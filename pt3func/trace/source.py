@@ -1,0 +1,54 @@
+"""Find the user's own source line in a traceback or an FX node's recorded stack trace."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import traceback
+from types import TracebackType
+
+import torch
+
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def is_user_file(filename: str) -> bool:
+    """True unless `filename` belongs to torch, pt3func or the interpreter's own machinery."""
+    path = os.path.abspath(filename)
+    if path.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
+        return False
+    return not any(part in path for part in (os.sep + "optree" + os.sep, os.sep + "contextlib.py"))
+
+
+def describe(filename: str, lineno: int) -> str:
+    """`file:line` followed by the source code of that line, when it can be read."""
+    code = linecache.getline(filename, lineno).strip()
+    return f"{filename}:{lineno}" + (f" `{code}`" if code else "")
+
+
+def user_frame_in_traceback(tb: TracebackType | None) -> tuple[str, int] | None:
+    """The innermost frame of `tb` that is user code, as `(filename, lineno)`."""
+    found = None
+    for frame, lineno in traceback.walk_tb(tb):
+        if is_user_file(frame.f_code.co_filename):
+            found = (frame.f_code.co_filename, lineno)
+    return found
+
+
+def user_frame_in_stack_trace(stack_trace: str | None) -> tuple[str, int] | None:
+    """The innermost user frame named in an FX node's `meta['stack_trace']`."""
+    found = None
+    for match in _FRAME_RE.finditer(stack_trace or ""):
+        if is_user_file(match["file"]):
+            found = (match["file"], int(match["line"]))
+    return found
+
+
+def node_location(node: torch.fx.Node) -> str:
+    """`file:line` of the user code that produced `node`, or '' when unknown."""
+    frame = user_frame_in_stack_trace(node.meta.get("stack_trace"))
+    return f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
