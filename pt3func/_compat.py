@@ -9,8 +9,6 @@ import torch
 import torch.distributed._functional_collectives as funcol  # importing it registers torch.ops._c10d_functional
 from torch.distributed.tensor import Shard
 
-TORCH_VERSION: tuple[int, int] = tuple(int(part) for part in torch.__version__.split(".")[:2])  # type: ignore[assignment]
-
 c10d_functional = torch.ops._c10d_functional
 """The functional collective ops (`all_reduce`, `all_gather_into_tensor`, ..., `wait_tensor`)."""
 

@@ -87,15 +87,15 @@ class Jitted:
         key, leaves, treedef, static = self._key(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._lower_from(leaves, treedef, static).compile()
+            compiled = self._lower_from(leaves, treedef, static, key).compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled
         return compiled.run_leaves(leaves)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
-        _key, leaves, treedef, static = self._key(args, kwargs)
-        return self._lower_from(leaves, treedef, static)
+        key, leaves, treedef, static = self._key(args, kwargs)
+        return self._lower_from(leaves, treedef, static, key)
 
     def trace_count(self) -> int:
         """How many distinct signatures have been traced (the number of cache misses so far)."""
@@ -117,7 +117,7 @@ class Jitted:
             reasons.append(f"static arguments changed: {static}")
         log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
 
-    def _lower_from(self, leaves: list[Any], treedef: Any, static: tuple) -> Lowered:
+    def _lower_from(self, leaves: list[Any], treedef: Any, static: tuple, key: Any) -> Lowered:
         spec = self._spec
         labels = leaf_labels(spec, treedef, static)
         for label, leaf in zip(labels, leaves):
@@ -214,6 +214,8 @@ class Jitted:
             donated_leaves=donated_leaves,
             backend=self.backend,
             scalar_device=device,
+            spec=spec,
+            key=key,
         )
         self._seen.append((treedef, labels, descriptions))
         return Lowered(program, example_inputs)

@@ -12,10 +12,11 @@ from torch import fx
 
 from pt3func import analysis, tree
 from pt3func.config import config
-from pt3func.errors import DonationError
+from pt3func.errors import DonationError, TracingError
 from pt3func.passes.donation import DonationPlan
 from pt3func.runtime.backend import compile_program
 from pt3func.runtime.donated import invalidate
+from pt3func.trace.signature import ArgSpec, leaf_key, split_call
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Program:
     donated_leaves: list[int]  # call leaf indices the user donated
     backend: str
     scalar_device: torch.device
+    spec: ArgSpec
+    key: Any
     notes: dict[fx.Node, str] = field(default_factory=dict)
 
     def graph_input_labels(self) -> list[str]:
@@ -142,10 +145,15 @@ class Compiled:
         warnings.warn(message, stacklevel=4)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from pt3func.trace.signature import split_call
-
-        jitted = self._jitted
-        leaves, _treedef, _static = split_call(jitted._spec, args, kwargs)
+        """Run on arguments of the signature this was compiled for (else raise: use the `Jitted` to retrace)."""
+        p = self._program
+        leaves, treedef, static = split_call(p.spec, args, kwargs)
+        key = (treedef, static, tuple([leaf_key(leaf) for leaf in leaves]))
+        if key != p.key:
+            raise TracingError(
+                f"{p.name}: this Compiled was built for another signature (pytree structure, shapes, dtypes or "
+                "static values differ); call the jitted function instead, which traces again when needed"
+            )
         return self.run_leaves(leaves)
 
     def run_leaves(self, leaves: list[Any]) -> Any:

@@ -40,6 +40,10 @@ def value_and_grad(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._functorch.maybe_current_level() is not None:
+            # Inside torch.func.vmap (pf.vmap) autograd.grad is unavailable; torch.func.grad is the
+            # transform that composes there.
+            return _functorch_value_and_grad(fn, nums, has_aux, argnums, args, kwargs)
         for i in nums:
             if i >= len(args):
                 raise TypeError(
@@ -86,6 +90,33 @@ def value_and_grad(
         return ((value, aux) if has_aux else value), grad_out
 
     return wrapped
+
+
+def _functorch_value_and_grad(
+    fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, argnums: Any, args: tuple, kwargs: dict
+) -> Any:
+    diff_leaves, spec = tree.flatten(tuple(args[i] for i in nums))
+    positions = [k for k, leaf in enumerate(diff_leaves) if _differentiable(leaf)]
+
+    def flat_fn(*wrt: torch.Tensor) -> Any:
+        leaves = list(diff_leaves)
+        for k, value in zip(positions, wrt):
+            leaves[k] = value
+        new_args = list(args)
+        for i, sub in zip(nums, tree.unflatten(spec, leaves)):
+            new_args[i] = sub
+        out = fn(*new_args, **kwargs)
+        return (out[0], (out[0], out[1])) if has_aux else (out, (out,))
+
+    grads, (value, *aux) = torch.func.grad(flat_fn, argnums=tuple(range(len(positions))), has_aux=True)(
+        *[diff_leaves[k] for k in positions]
+    )
+    grad_leaves: list[Any] = [None] * len(diff_leaves)
+    for k, g in zip(positions, grads):
+        grad_leaves[k] = g
+    grad_tree = tree.unflatten(spec, grad_leaves)
+    grad_out = grad_tree[0] if isinstance(argnums, int) else grad_tree
+    return ((value, aux[0]) if has_aux else value), grad_out
 
 
 def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pt3func.errors import ShardingError
 from pt3func.sharding.mesh import Mesh, get_mesh, mesh_of
-from pt3func.sharding.spec import NamedSharding, PartitionSpec, spec_from_placements
+from pt3func.sharding.spec import NamedSharding, PartitionSpec, placements_for, spec_from_placements
 from pt3func.tree import NAMESPACE, PyTree, keystr
 
 Sharding = NamedSharding | PartitionSpec | None
@@ -20,7 +20,9 @@ def _is_sharding(x: Any) -> bool:
     return x is None or isinstance(x, (NamedSharding, PartitionSpec))
 
 
-def broadcast_shardings(tree: PyTree, shardings: PyTree) -> tuple[list[tuple], list[Any], list[Sharding], optree.PyTreeSpec]:
+def broadcast_shardings(
+    tree: PyTree, shardings: PyTree
+) -> tuple[list[tuple], list[Any], list[Sharding], optree.PyTreeSpec]:
     """Paths, leaves and the sharding of every leaf of `tree` (`shardings` is a pytree prefix of it)."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_sharding, none_is_leaf=True,
                                                            namespace=NAMESPACE)
@@ -32,27 +34,28 @@ def broadcast_shardings(tree: PyTree, shardings: PyTree) -> tuple[list[tuple], l
     return paths, leaves, per_leaf, treedef
 
 
-def _resolve(sharding: Sharding, path: tuple) -> NamedSharding | None:
-    """`sharding` as a NamedSharding on an explicit or the current mesh; None when there is no mesh at all."""
+def _resolve(sharding: Sharding, path: tuple) -> tuple[Mesh, PartitionSpec] | None:
+    """The mesh and spec of `sharding` (a P takes the current mesh); None when there is no mesh at all."""
     if isinstance(sharding, NamedSharding):
-        return sharding
+        return sharding.mesh, sharding.spec
     mesh = get_mesh()
     if mesh is None:
         if sharding is None:
             return None
         raise ShardingError(f"at {keystr(path) or 'the root'}: spec {sharding} needs a mesh; call "
                             f"pf.set_mesh(mesh) or pass pf.NamedSharding(mesh, spec)")
-    return NamedSharding(mesh, sharding if sharding is not None else PartitionSpec())
+    return mesh, sharding if sharding is not None else PartitionSpec()
 
 
 def _put_leaf(x: Any, sharding: Sharding, path: tuple, src_data_rank: int | None) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    named = _resolve(sharding, path)
-    if named is None:
+    resolved = _resolve(sharding, path)
+    if resolved is None:
         return x
-    placements = named.placements(tuple(x.shape), path)
-    device_mesh = named.mesh.device_mesh
+    mesh, spec = resolved
+    placements = placements_for(spec, mesh, tuple(x.shape), path)
+    device_mesh = mesh.device_mesh
     if isinstance(x, DTensor):
         if x.device_mesh is device_mesh:
             return x.redistribute(device_mesh, placements)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from pt3func._compat import is_plain_shard
 from pt3func.sharding.mesh import mesh_of
+from pt3func.sharding.spec import spec_from_placements
 
 Block = tuple[tuple[int, int], ...]
 
@@ -35,6 +36,14 @@ def _blocks(x: DTensor) -> dict[Block, list[int]]:
     return held
 
 
+def _grid_key(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(row, column) of a block in the drawing: dims 0 and 1; a 1-D tensor is drawn as one row."""
+    whole = (0, 0)
+    if len(block) == 1:
+        return whole, block[0]
+    return (block[0], block[1]) if block else (whole, whole)
+
+
 def _range_text(block: Block) -> str:
     return "[" + ", ".join(f"{start}:{stop}" for start, stop in block) + "]"
 
@@ -53,27 +62,33 @@ def visualize_sharding(x: torch.Tensor, *, width: int = 100) -> str:
         held = _blocks(x)
         mesh = mesh_of(x.device_mesh)
         partial = [name for name, p in zip(mesh.axis_names, x.placements) if isinstance(p, Partial)]
-        title = f"{tuple(x.shape)} {list(x.placements)} on {mesh!r}"
         if partial:
-            title += f"\n(pending sum over {', '.join(partial)}: each rank holds a partial value)"
+            title = (f"{tuple(x.shape)} {tuple(x.placements)} on {mesh!r}\n"
+                     f"(pending sum over {', '.join(partial)}: each rank holds a partial value)")
+        else:
+            title = f"{tuple(x.shape)} {spec_from_placements(x.placements, mesh, x.ndim)} on {mesh!r}"
     else:
         world = dist.get_world_size() if dist.is_initialized() else 1
         held = {tuple((0, n) for n in x.shape): list(range(world))}
         title = f"{tuple(x.shape)} plain tensor (not sharded)"
-    rows = sorted({block[0] if block else (0, 0) for block in held})
-    cols = sorted({block[1] if len(block) > 1 else (0, 0) for block in held})
+    rows = sorted({_grid_key(block)[0] for block in held})
+    cols = sorted({_grid_key(block)[1] for block in held})
     cells: dict[tuple[int, int], list[str]] = {}
     for block, ranks in sorted(held.items()):
-        key = (rows.index(block[0] if block else (0, 0)), cols.index(block[1] if len(block) > 1 else (0, 0)))
-        cells.setdefault(key, []).append(f"{_ranks_text(ranks)}\n{_range_text(block)}" if x.ndim <= 2
-                                         else f"{_range_text(block)}: {_ranks_text(ranks)}")
-    table = Table(title=title, show_header=False, show_lines=True)
+        row, col = _grid_key(block)
+        cells.setdefault((rows.index(row), cols.index(col)), []).append(
+            f"{_ranks_text(ranks)}\n{_range_text(block)}" if x.ndim <= 2
+            else f"{_range_text(block)}: {_ranks_text(ranks)}")
+    table = Table(show_header=False, show_lines=True)
     for _ in cols:
         table.add_column(justify="center")
     for r in range(len(rows)):
         table.add_row(*("\n".join(cells.get((r, c), [])) for c in range(len(cols))))
     buffer = io.StringIO()
-    Console(file=buffer, width=width, color_system=None).print(table)
+    consoles = [Console(file=buffer, width=width, color_system=None)]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        Console(width=width).print(table)
+        consoles.append(Console(width=width))
+    for console in consoles:
+        console.print(title, markup=False, highlight=False)
+        console.print(table)
     return buffer.getvalue()
