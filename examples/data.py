@@ -36,27 +36,24 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
         # Pruning in place keeps os.walk out of site-packages, which can be far bigger than the stdlib.
         subdirs[:] = [name for name in subdirs if name not in _EXCLUDED_DIRS]
         files += [
-            Path(directory, name)
-            for name in names
-            if name.endswith(".py") and not name.startswith(_EXCLUDED_PREFIXES)
+            Path(directory, name) for name in names if name.endswith(".py") and not name.startswith(_EXCLUDED_PREFIXES)
         ]
     return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
 def load_text(max_bytes: int = DEFAULT_MAX_BYTES, root: str | Path | None = None) -> str:
     """The first `max_bytes` bytes of the standard library's source, files concatenated in sorted order."""
-    chunks: list[str] = []
-    remaining = max_bytes
+    chunks: list[bytes] = []
+    size = 0
     for path in stdlib_files(root):
-        if remaining <= 0:
+        if size >= max_bytes:
             break
-        raw = path.read_bytes()[:remaining]
-        remaining -= len(raw)
-        # A cut through a multi-byte character leaves an undecodable tail: drop it.
-        chunks.append(raw.decode("utf-8", errors="ignore"))
+        chunks.append(path.read_bytes())
+        size += len(chunks[-1]) + 1
     if not chunks:
         raise FileNotFoundError(f"no standard-library .py files found under {root or sysconfig.get_paths()['stdlib']}")
-    return "\n".join(chunks)
+    # A cut through a multi-byte character leaves an undecodable tail: drop it.
+    return b"\n".join(chunks)[:max_bytes].decode("utf-8", errors="ignore")
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,40 @@ from pt3func.errors import (
 )
 from pt3func.jitted import Jitted, jit
 from pt3func.module import Apply, functionalize
+from pt3func.sharding import (
+    Mesh,
+    NamedSharding,
+    P,
+    PartitionSpec,
+    device_get,
+    device_put,
+    get_mesh,
+    make_mesh,
+    set_mesh,
+    sharding_of,
+    visualize_sharding,
+    with_sharding_constraint,
+)
+from pt3func.spmd import lax, shard_map
 from pt3func.stages import Compiled, Lowered
 from pt3func.transforms import grad, value_and_grad, vmap
 
 __all__ = [
     "Apply",
+    "Mesh",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "device_get",
+    "device_put",
+    "get_mesh",
+    "lax",
+    "make_mesh",
+    "set_mesh",
+    "shard_map",
+    "sharding_of",
+    "visualize_sharding",
+    "with_sharding_constraint",
     "Compiled",
     "DataDependentControlFlowError",
     "DonationError",

@@ -8,13 +8,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pt3func import tree
 from pt3func.config import config
-from pt3func.errors import DonationError, TracingError
+from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
+from pt3func.spmd import lower
 from pt3func.stages import Compiled, Lowered, Program
 from pt3func.trace import capture
 from pt3func.trace.signature import (
@@ -84,6 +86,8 @@ class Jitted:
         return key, leaves, treedef, static
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.in_shardings is not None:
+            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
         key, leaves, treedef, static = self._key(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
@@ -94,6 +98,8 @@ class Jitted:
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
+        if self.in_shardings is not None:
+            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
         key, leaves, treedef, static = self._key(args, kwargs)
         return self._lower_from(leaves, treedef, static, key)
 
@@ -137,10 +143,15 @@ class Jitted:
             and isinstance(leaves[i], torch.Tensor)
         ]
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = _local(tensors[0]).device if tensors else torch.device("cpu")
         kinds, scalar_dtypes, graph_input_leaves, example_inputs = [], {}, [], []
+        dtensor_in: dict[int, lower.DTensorMeta] = {}
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, DTensor):
+                kinds.append("dtensor")
+                dtensor_in[i] = lower.DTensorMeta.of(leaf)
+                example_inputs.append(leaf._local_tensor.detach())
+            elif isinstance(leaf, torch.Tensor):
                 kinds.append("tensor")
                 example_inputs.append(leaf.detach())
             elif isinstance(leaf, SCALAR_TYPES):
@@ -159,37 +170,68 @@ class Jitted:
 
         out_info: dict[str, Any] = {}
         fn = self.fn
+        out_shardings = self.out_shardings
 
         def flat_fn(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
             call_leaves = list(leaves)
             for i, value in zip(graph_input_leaves, graph_inputs):
-                call_leaves[i] = value
+                meta = dtensor_in.get(i)
+                call_leaves[i] = value if meta is None else lower.wrap_input(value, meta, labels[i])
             args, kwargs = rebuild_call(treedef, static, call_leaves)
             out = fn(*args, **kwargs)
             out_leaves, out_treedef = tree.flatten(out)
             out_info["treedef"] = out_treedef
             out_info["leaves"] = out_leaves
-            return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
+            preferred = _preferred_outputs(spec, treedef, static, out_treedef)
+            out_specs = _out_sharding_leaves(out_shardings, out, out_treedef)
+            paths = _paths_of(out_treedef)
+            dtensor_out: dict[int, lower.DTensorMeta] = {}
+            flat_out = []
+            for j, leaf in enumerate(out_leaves):
+                if isinstance(leaf, DTensor):
+                    if out_specs[j] is not None:
+                        target = lower.output_placements(leaf, out_specs[j], paths[j])
+                    elif preferred.get(j) in dtensor_in:
+                        target = dtensor_in[preferred[j]].placements  # a donated state keeps its layout
+                    else:
+                        target = lower.resolve_partial(leaf)
+                    if tuple(leaf.placements) != tuple(target):
+                        with lower.reason(f"out_shardings of out{tree.keystr(paths[j])}"):
+                            leaf = leaf.redistribute(leaf.device_mesh, target)
+                    dtensor_out[j] = lower.DTensorMeta.of(leaf)
+                    flat_out.append(leaf.to_local())
+                elif isinstance(leaf, torch.Tensor):
+                    flat_out.append(leaf)
+            out_info["dtensor_out"] = dtensor_out
+            out_info["preferred"] = preferred
+            return flat_out
 
-        gm = capture.trace(flat_fn, example_inputs, self.name)
+        with lower.lowering():
+            gm = capture.trace(flat_fn, example_inputs, self.name)
         graph_labels = [labels[i] for i in graph_input_leaves]
         capture.check_no_input_mutation(gm, graph_labels, self.name)
 
         out_treedef = out_info["treedef"]
         out_leaves = out_info["leaves"]
+        dtensor_out = out_info["dtensor_out"]
         out_labels = ["out" + tree.keystr(path) for path in _paths_of(out_treedef)]
         tensor_out = [j for j, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         constants = {j: leaf for j, leaf in enumerate(out_leaves) if not isinstance(leaf, torch.Tensor)}
 
         # Donation is planned in graph-index space, then mapped back to leaf indices for the program.
-        in_meta = [_meta(labels[i], leaves[i]) for i in graph_input_leaves]
+        in_meta = [_meta(labels[i], leaves[i], dtensor_in.get(i)) for i in graph_input_leaves]
         out_vals = [n.meta.get("val") for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
         out_meta = [
-            LeafMeta(out_labels[j], tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else None
+            _out_meta(out_labels[j], v, dtensor_out.get(j)) if isinstance(v, torch.Tensor) else None
             for j, v in zip(tensor_out, out_vals)
         ]
-        donated_graph = [graph_input_leaves.index(i) for i in donated_leaves]
-        preferred = _preferred_outputs(spec, treedef, static, out_treedef, owner, graph_input_leaves, tensor_out)
+        graph_in = {leaf: g for g, leaf in enumerate(graph_input_leaves)}
+        graph_out = {leaf: g for g, leaf in enumerate(tensor_out)}
+        preferred = {
+            graph_in[i]: graph_out[j] for j, i in out_info["preferred"].items() if i in graph_in and j in graph_out
+        }
+        _check_donated_layouts(self.name, preferred, in_meta, out_meta, {graph_in[i] for i in donated_leaves})
+        donated_graph = [graph_in[i] for i in donated_leaves]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
         gm = apply_donation(gm, plan_g)
         plan = type(plan_g)(
@@ -216,6 +258,8 @@ class Jitted:
             scalar_device=device,
             spec=spec,
             key=key,
+            dtensor_out=dtensor_out,
+            notes=lower.collective_notes(gm),
         )
         self._seen.append((treedef, labels, descriptions))
         return Lowered(program, example_inputs)
@@ -229,29 +273,57 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _meta(label: str, leaf: Any) -> LeafMeta:
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _meta(label: str, leaf: Any, dmeta: lower.DTensorMeta | None = None) -> LeafMeta:
     if isinstance(leaf, torch.Tensor):
-        return LeafMeta(label, tuple(leaf.shape), leaf.dtype, leaf.device)
+        local = _local(leaf)
+        layout = (dmeta.device_mesh, dmeta.placements) if dmeta is not None else None
+        return LeafMeta(label, tuple(local.shape), local.dtype, local.device, layout)
     return LeafMeta(label, (), torch.get_default_dtype(), torch.device("cpu"))
+
+
+def _out_meta(label: str, val: torch.Tensor, dmeta: lower.DTensorMeta | None) -> LeafMeta:
+    layout = (dmeta.device_mesh, dmeta.placements) if dmeta is not None else None
+    return LeafMeta(label, tuple(val.shape), val.dtype, val.device, layout)
+
+
+def _check_donated_layouts(
+    name: str, preferred: dict[int, int], inputs: list[LeafMeta], outputs: list[LeafMeta | None], donated: set[int]
+) -> None:
+    """A donated sharded input whose own output comes back in another sharding cannot share its buffer."""
+    for i, j in preferred.items():
+        out = outputs[j]
+        if i in donated and out is not None and inputs[i].layout != out.layout and inputs[i].layout is not None:
+            raise ShardingError(
+                f"{name}: donated input {inputs[i].path} has placements {inputs[i].layout[1]} but its output "
+                f"{out.path} is asked to be {out.layout[1] if out.layout else 'a plain tensor'}; a buffer can only "
+                "be reused by an output with the same sharding. Make out_shardings match in_shardings for "
+                "donated state, or do not donate it."
+            )
 
 
 def _paths_of(treedef: Any) -> list[tuple[Any, ...]]:
     return tree.paths(tree.unflatten(treedef, [0] * treedef.num_leaves))
 
 
-def _preferred_outputs(
-    spec: ArgSpec,
-    treedef: Any,
-    static: tuple,
-    out_treedef: Any,
-    owner: list[Any],
-    graph_input_leaves: list[int],
-    tensor_out: list[int],
-) -> dict[int, int]:
+def _out_sharding_leaves(out_shardings: Any, out: Any, out_treedef: Any) -> list[Any]:
+    """One `out_shardings` entry (NamedSharding, P or None) per output leaf."""
+    if out_shardings is None:
+        return [None] * out_treedef.num_leaves
+    from pt3func.sharding.put import broadcast_shardings
+
+    _paths, _leaves, per_leaf, _treedef = broadcast_shardings(out, out_shardings)
+    return [s for s, leaf in zip(per_leaf, _leaves) if leaf is not None]
+
+
+def _preferred_outputs(spec: ArgSpec, treedef: Any, static: tuple, out_treedef: Any) -> dict[int, int]:
     """Donated positional argument k prefers output element k when both have the same structure.
 
     That is the usual `params, opt_state, ... = step(params, opt_state, ...)` shape; returns a map from
-    graph input index to graph output index.
+    output leaf index to call leaf index.
     """
     skeleton_out = tree.unflatten(out_treedef, list(range(out_treedef.num_leaves)))
     if not isinstance(skeleton_out, (tuple, list)):
@@ -259,8 +331,6 @@ def _preferred_outputs(
     dyn_args, _ = tree.unflatten(treedef, list(range(treedef.num_leaves)))
     static_idx = {i for i, _ in static[0]}
     positions = [i for i in range(len(dyn_args) + len(static_idx)) if i not in static_idx]
-    graph_in = {leaf: g for g, leaf in enumerate(graph_input_leaves)}
-    graph_out = {leaf: g for g, leaf in enumerate(tensor_out)}
     preferred: dict[int, int] = {}
     for pos, sub in zip(positions, dyn_args):
         if pos not in spec.donate_argnums or pos >= len(skeleton_out):
@@ -269,8 +339,7 @@ def _preferred_outputs(
         if tree.structure(target) != tree.structure(sub):
             continue
         for in_leaf, out_leaf in zip(tree.leaves(sub), tree.leaves(target)):
-            if in_leaf in graph_in and out_leaf in graph_out:
-                preferred[graph_in[in_leaf]] = graph_out[out_leaf]
+            preferred[out_leaf] = in_leaf
     return preferred
 
 

@@ -41,6 +41,7 @@ class Program:
     scalar_device: torch.device
     spec: ArgSpec
     key: Any
+    dtensor_out: dict[int, Any] = field(default_factory=dict)  # output leaf index -> DTensorMeta
     notes: dict[fx.Node, str] = field(default_factory=dict)
 
     def graph_input_labels(self) -> list[str]:
@@ -119,6 +120,7 @@ class Compiled:
         self._aliased_input_of = {j: p.graph_input_leaves.index(i) for j, i in p.donation.aliases.items()}
         self._invalidate = [i for i in p.donated_leaves if i in p.donation.donated_inputs]
         self._check_overlap = bool(p.donated_leaves)
+        self._input_kinds = [p.input_leaf_kind[i] for i in p.graph_input_leaves]
         self._warned = False
 
     def as_text(self) -> str:
@@ -161,9 +163,11 @@ class Compiled:
         if self._check_overlap:
             _check_donation_overlap(p, leaves)
         inputs = []
-        for i in p.graph_input_leaves:
+        for i, kind in zip(p.graph_input_leaves, self._input_kinds):
             leaf = leaves[i]
-            if not isinstance(leaf, torch.Tensor):
+            if kind == "dtensor":
+                leaf = leaf._local_tensor
+            elif kind == "scalar":
                 leaf = torch.tensor(leaf, dtype=p.scalar_dtypes[i], device=p.scalar_device)
             inputs.append(leaf)
         with torch.no_grad():
@@ -175,6 +179,8 @@ class Compiled:
             out_leaves[j] = value
         for j, gi in self._aliased_input_of.items():
             out_leaves[j] = inputs[gi].detach()
+        for j, meta in p.dtensor_out.items():
+            out_leaves[j] = meta.wrap(out_leaves[j])
         where = f"jitted '{p.name}'"
         for i in self._invalidate:
             invalidate(leaves[i], where)
@@ -188,7 +194,8 @@ def _check_donation_overlap(p: Program, leaves: list[Any]) -> None:
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0:
             continue
-        ptr = leaf.untyped_storage().data_ptr()
+        local = getattr(leaf, "_local_tensor", leaf)
+        ptr = local.untyped_storage().data_ptr()
         other = seen.get(ptr)
         if other is not None and (i in donated or other in donated):
             raise DonationError(

@@ -14,8 +14,10 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from pt3func import tree
+from pt3func.spmd import lower
 
 
 def _as_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
@@ -62,8 +64,13 @@ def value_and_grad(
                 else leaf
                 for leaf in diff_leaves
             ]
+            used = prepared
+            if any(isinstance(p, DTensor) for p in prepared):
+                lower.copy_labels(diff_leaves, prepared)
+                others = tree.leaves(([a for k, a in enumerate(args) if k not in nums], kwargs))
+                used = lower.gather_sharded_params(prepared, others)
             new_args = list(args)
-            for i, sub in zip(nums, tree.unflatten(spec, prepared)):
+            for i, sub in zip(nums, tree.unflatten(spec, used)):
                 new_args[i] = sub
             out = fn(*new_args, **kwargs)
             value, aux = out if has_aux else (out, None)
@@ -74,13 +81,14 @@ def value_and_grad(
                     + (" (did you mean has_aux=True?)" if isinstance(value, tuple) else "")
                 )
             wrt = [p for p in prepared if _differentiable(p)]
-            grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
+            with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"):
+                grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
         grads_iter = iter(grads)
         grad_leaves = []
         for p in prepared:
             if _differentiable(p):
                 g = next(grads_iter)
-                grad_leaves.append(torch.zeros_like(p) if g is None else g)
+                grad_leaves.append(torch.zeros_like(p) if g is None else lower.reduce_gradient(g, p))
             else:
                 grad_leaves.append(None)
         grad_tree = tree.unflatten(spec, grad_leaves)

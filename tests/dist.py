@@ -38,8 +38,9 @@ def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
         dist.destroy_process_group()
 
 
-# The fork server imports torch once; every later world forks from it instead of importing torch again.
-mp.set_forkserver_preload(["torch", "torch.distributed"])
+# The fork server imports these once; every world forks from it instead of importing them again (seconds each).
+mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.tensor", "torch.fx.experimental.proxy_tensor",
+                           "pytest", "pt3func"])
 
 
 def run_world(nprocs: int, fn: Callable[..., Any], *args: Any) -> list[Any]:

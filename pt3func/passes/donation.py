@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx
@@ -26,6 +27,7 @@ class LeafMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    layout: Any = None  # (device mesh, placements) of a sharded value; None for a plain tensor
 
 
 @dataclass
@@ -41,7 +43,7 @@ class DonationPlan:
 
 
 def _fits(a: LeafMeta, b: LeafMeta) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.layout == b.layout
 
 
 def plan_donation(
@@ -70,6 +72,7 @@ def plan_donation(
             meta = inputs[i]
             plan.unused[i] = (
                 f"no output left with shape {tuple(meta.shape)}, dtype {meta.dtype} and device {meta.device}"
+                + (f" and placements {meta.layout[1]}" if meta.layout is not None else "")
             )
             continue
         taken.add(j)

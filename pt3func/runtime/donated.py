@@ -20,7 +20,7 @@ class DonatedTensor(torch.Tensor):
         if func in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        victim = next((a for a in args if isinstance(a, DonatedTensor)), None)
+        victim = next((a for a in args if is_donated(a)), None)
         where = getattr(victim, "_pt3func_donated", "a jitted step")
         raise DonationError(
             f"this tensor was donated to {where}: its buffer now holds that call's outputs, so it can no "
@@ -32,11 +32,30 @@ class DonatedTensor(torch.Tensor):
         return f"DonatedTensor(<donated to {getattr(self, '_pt3func_donated', 'a jitted step')}>)"
 
 
+_DONATED_SUBCLASSES: dict[type, type] = {}
+
+
+def _donated_class(cls: type) -> type:
+    """A subclass of `cls` (Tensor, Parameter, DTensor, ...) that refuses every operation."""
+    if cls is torch.Tensor:
+        return DonatedTensor
+    sub = _DONATED_SUBCLASSES.get(cls)
+    if sub is None:
+        # Same memory layout as `cls` (no new slots), so an instance's class can be switched in place.
+        sub = type(f"Donated{cls.__name__}", (cls,), {
+            "__torch_function__": DonatedTensor.__dict__["__torch_function__"],
+            "__repr__": DonatedTensor.__repr__,
+            "_pt3func_is_donated": True,
+        })
+        _DONATED_SUBCLASSES[cls] = sub
+    return sub
+
+
 def invalidate(t: torch.Tensor, where: str) -> None:
     """Mark `t` donated: it keeps no extra memory alive and raises on any use."""
     t._pt3func_donated = where
-    t.__class__ = DonatedTensor
+    t.__class__ = _donated_class(type(t))
 
 
 def is_donated(t: Any) -> bool:
-    return isinstance(t, DonatedTensor)
+    return isinstance(t, DonatedTensor) or getattr(type(t), "_pt3func_is_donated", False)

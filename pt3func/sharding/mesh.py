@@ -38,6 +38,8 @@ class Mesh:
         self.virtual = virtual
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._world = dist.group.WORLD  # a cached mesh is stale once its world is destroyed
+        # make_mesh's meshes are arange(world) reshaped: the world group lists their ranks in mesh order.
+        self._is_world = device_mesh.mesh.flatten().tolist() == list(range(dist.get_world_size()))
 
     @property
     def size(self) -> int:
@@ -83,8 +85,7 @@ class Mesh:
         names = self.in_mesh_order(axis_name)
         if len(names) == 1:
             return self.device_mesh.get_group(names[0])
-        if names == self.axis_names:
-            # The mesh is arange(world) reshaped, so the world group already lists its ranks in mesh order.
+        if names == self.axis_names and self._is_world:
             return dist.group.WORLD
         if names not in self._groups:
             self._groups[names] = self._new_group(names)

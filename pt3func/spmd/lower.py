@@ -1,0 +1,251 @@
+"""Sharded lowering: DTensor inputs in, one local program with explicit collectives out.
+
+DTensors are never traced as inputs (make_fx would bake a constant into the collective, DESIGN.md):
+each DTensor argument enters the program as its local shard and is wrapped back into a DTensor inside
+the trace. DTensor's per-op rules then propagate shardings and emit `_c10d_functional` collectives,
+which make_fx records as explicit nodes. Two rules give the textbook programs rather than whatever
+per-op propagation finds first:
+
+- the gradient of a leaf is redistributed to the leaf's own placements (all-reduce for a replicated
+  parameter, reduce-scatter for a sharded one);
+- a parameter sharded over a mesh axis that also splits the data (FSDP / ZeRO-3) is all-gathered
+  before the loss uses it, so the backward reduce-scatters its gradient.
+
+Every collective carries the reason that produced it in `node.meta["custom"]["pt3func"]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from pt3func import analysis
+from pt3func.trace.source import node_location
+
+_CONTEXT: contextvars.ContextVar[LoweringContext | None] = contextvars.ContextVar("pt3func_lowering", default=None)
+
+
+@dataclass(frozen=True)
+class DTensorMeta:
+    """What is needed to rebuild a DTensor around a local shard."""
+
+    device_mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, x: DTensor) -> DTensorMeta:
+        return cls(x.device_mesh, tuple(x.placements), x.shape, tuple(x.stride()))
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.device_mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+class LoweringContext:
+    """State of one sharded trace: names of the wrapped inputs, for errors and collective reasons."""
+
+    def __init__(self) -> None:
+        self.labels: dict[int, str] = {}
+
+    def label(self, x: Any) -> str | None:
+        return self.labels.get(id(x))
+
+
+@contextlib.contextmanager
+def lowering() -> Iterator[LoweringContext]:
+    """Active while a jitted step is traced; also keeps node meta (reasons) on the recorded nodes."""
+    ctx = LoweringContext()
+    token = _CONTEXT.set(ctx)
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> LoweringContext | None:
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def reason(text: str) -> Iterator[None]:
+    """Tag every node recorded inside with why it exists (shown beside collectives in `as_text()`)."""
+    if current() is None:
+        yield
+        return
+    with fx_traceback.annotate({"pt3func": text}):
+        yield
+
+
+def wrap_input(local: torch.Tensor, meta: DTensorMeta, label: str) -> DTensor:
+    x = meta.wrap(local)
+    ctx = current()
+    if ctx is not None:
+        ctx.labels[id(x)] = label
+    return x
+
+
+def copy_labels(sources: Sequence[Any], targets: Sequence[Any]) -> None:
+    """Let `targets[i]` (a detached copy, say) be named like `sources[i]` in collective reasons."""
+    ctx = current()
+    if ctx is None:
+        return
+    for src, dst in zip(sources, targets):
+        label = ctx.labels.get(id(src))
+        if label is not None:
+            ctx.labels[id(dst)] = label
+
+
+def _axis_name(mesh: Any, dim: int) -> str:
+    names = mesh.mesh_dim_names
+    return names[dim] if names else str(dim)
+
+
+def gather_sharded_params(leaves: Sequence[Any], others: Sequence[Any]) -> list[Any]:
+    """All-gather each DTensor leaf over the mesh axes that also shard the data (the FSDP rule).
+
+    `others` are the non-differentiated arguments (the batch): an axis splitting one of them is a data
+    axis, and a parameter split over a data axis is stored sharded but used whole.
+    """
+    data_dims: dict[Any, set[int]] = {}
+    for other in others:
+        if isinstance(other, DTensor):
+            dims = data_dims.setdefault(id(other.device_mesh), set())
+            dims.update(i for i, p in enumerate(other.placements) if isinstance(p, Shard))
+    out = []
+    for leaf in leaves:
+        dims = data_dims.get(id(leaf.device_mesh)) if isinstance(leaf, DTensor) else None
+        if not dims or not any(isinstance(leaf.placements[d], Shard) for d in dims):
+            out.append(leaf)
+            continue
+        target = tuple(Replicate() if d in dims and isinstance(p, Shard) else p for d, p in enumerate(leaf.placements))
+        label = (current().label(leaf) if current() else None) or "a parameter"
+        axes = ", ".join(_axis_name(leaf.device_mesh, d) for d in sorted(dims))
+        with reason(f"FSDP: gather {label} over {axes} for the forward"):
+            gathered = leaf.redistribute(leaf.device_mesh, target)
+        out.append(gathered)
+    return out
+
+
+def reduce_gradient(grad: Any, like: Any) -> Any:
+    """Bring a gradient to its parameter's placements: pending sums become all-reduce or reduce-scatter."""
+    if not isinstance(grad, DTensor) or not isinstance(like, DTensor):
+        return grad
+    if tuple(grad.placements) == tuple(like.placements):
+        return grad
+    label = (current().label(like) if current() else None) or "a parameter"
+    with reason(f"grad of {label}"):
+        return grad.redistribute(like.device_mesh, like.placements)
+
+
+def resolve_partial(x: DTensor) -> tuple:
+    """Output placements when none are asked for: pending reductions are carried out (Partial -> Replicate)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+
+
+def collective_notes(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """For each collective node: kind, mesh axis, payload bytes and reason, as shown in `as_text()`."""
+    names = _group_axis_names()
+    notes = {}
+    for node in gm.graph.nodes:
+        if not analysis.is_collective(node):
+            continue
+        group = next((a for a in reversed(node.args) if isinstance(a, str) and a in names), None)
+        axis = names.get(group, group or "?")
+        why = (node.meta.get("custom") or {}).get("pt3func") or "sharding propagation"
+        where = node_location(node)
+        if where and why == "sharding propagation":
+            why = f"{why} at {where}"
+        size = _human_bytes(analysis.collective_bytes(node))
+        notes[node] = f"COLLECTIVE {analysis.collective_kind(node)} over {axis!r}, {size}: {why}"
+    return notes
+
+
+def _group_axis_names() -> dict[str, str]:
+    """group name -> mesh axis name (or 'a+b' for flattened axes) for every mesh made so far."""
+    from pt3func.sharding import mesh as mesh_module
+
+    out = {}
+    for mesh in list(mesh_module._MESHES.values()) + list(mesh_module._MAKE_MESH_CACHE.values()):
+        try:
+            for i, name in enumerate(mesh.axis_names):
+                out[mesh.device_mesh.get_group(i).group_name] = name
+            for names, group in mesh._groups.items():
+                out[group.group_name] = "+".join(names)
+        except Exception:  # a mesh whose world is gone names no groups
+            continue
+    return out
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def apply_in_shardings(args: tuple[Any, ...], in_shardings: Any, static_argnums: frozenset[int]) -> tuple[Any, ...]:
+    """Place positional arguments as `in_shardings` asks (a per-argument pytree prefix; None keeps as is).
+
+    Leaves already placed as asked are passed through untouched (same object), so donation still
+    invalidates the caller's tensors.
+    """
+    from pt3func.errors import ShardingError
+    from pt3func.sharding.put import broadcast_shardings, device_put
+    from pt3func.tree import unflatten
+
+    shardings = in_shardings if isinstance(in_shardings, (tuple, list)) else (in_shardings,)
+    if len(shardings) > len(args):
+        raise ShardingError(
+            f"in_shardings has {len(shardings)} entries but the call passes {len(args)} positional arguments"
+        )
+    out = list(args)
+    for i, sharding in enumerate(shardings):
+        if sharding is None or i in static_argnums:
+            continue
+        paths, leaves, per_leaf, treedef = broadcast_shardings(args[i], sharding)
+        placed = []
+        for path, leaf, s in zip(paths, leaves, per_leaf):
+            if s is None or not isinstance(leaf, torch.Tensor):
+                placed.append(leaf)
+                continue
+            put = device_put(leaf, s) if not _already_placed(leaf, s, path) else leaf
+            placed.append(put)
+        out[i] = unflatten(treedef, placed)
+    return tuple(out)
+
+
+def _already_placed(leaf: torch.Tensor, sharding: Any, path: tuple) -> bool:
+    from pt3func.sharding.mesh import get_mesh
+    from pt3func.sharding.spec import NamedSharding, placements_for
+
+    if not isinstance(leaf, DTensor):
+        return False
+    mesh, spec = (sharding.mesh, sharding.spec) if isinstance(sharding, NamedSharding) else (get_mesh(), sharding)
+    if mesh is None or mesh.device_mesh is not leaf.device_mesh:
+        return False
+    return tuple(placements_for(spec, mesh, tuple(leaf.shape), path)) == tuple(leaf.placements)
+
+
+def output_placements(x: DTensor, sharding: Any, path: tuple) -> tuple:
+    """Placements for an output given its `out_shardings` entry (NamedSharding or P)."""
+    from pt3func.sharding.mesh import get_mesh, mesh_of
+    from pt3func.sharding.spec import NamedSharding, placements_for
+
+    if isinstance(sharding, NamedSharding):
+        mesh, spec = sharding.mesh, sharding.spec
+    else:
+        mesh, spec = get_mesh() or mesh_of(x.device_mesh), sharding
+    return tuple(placements_for(spec, mesh, tuple(x.shape), path))
