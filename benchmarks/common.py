@@ -106,6 +106,8 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
+        if value != value:  # NaN marks "not measured for this row"
+            return "-"
         return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
     if isinstance(value, int):
         return f"{value:,}"

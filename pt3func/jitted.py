@@ -64,6 +64,7 @@ class Jitted:
         self.memory_budget = memory_budget
         self.backend = backend
         self._cache: dict[Any, Compiled] = {}
+        self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
         functools.update_wrapper(self, fn)
 
@@ -91,7 +92,8 @@ class Jitted:
         key, leaves, treedef, static = self._key(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._lower_from(leaves, treedef, static, key).compile()
+            lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
+            compiled = lowered.compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled
         return compiled.run_leaves(leaves)
@@ -101,7 +103,10 @@ class Jitted:
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
         key, leaves, treedef, static = self._key(args, kwargs)
-        return self._lower_from(leaves, treedef, static, key)
+        lowered = self._lowered.get(key)
+        if lowered is None:
+            lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key)
+        return lowered
 
     def trace_count(self) -> int:
         """How many distinct signatures have been traced (the number of cache misses so far)."""

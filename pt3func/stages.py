@@ -105,7 +105,15 @@ class Lowered:
     def compile(self) -> Compiled:
         """Compile with the chosen backend (Inductor compiles here, once)."""
         p = self._program
-        runner = compile_program(p.graph_module, self._example_inputs, p.backend)
+        examples = self._example_inputs
+        if examples is None:  # released after an earlier compile: rebuild from the traced metadata
+            examples = [
+                torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                for v in (n.meta["val"] for n in p.graph_module.graph.nodes if n.op == "placeholder")
+            ]
+        runner = compile_program(p.graph_module, examples, p.backend)
+        # Holding the example arguments would keep the caller's first batch (and old buffers) alive.
+        self._example_inputs = None
         return Compiled(self, runner)
 
 
