@@ -16,6 +16,8 @@ from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
+from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
+from pt3func.runtime.virtual import call as virtual_call
 from pt3func.spmd import lower
 from pt3func.stages import Compiled, Lowered, Program
 from pt3func.trace import capture
@@ -87,6 +89,10 @@ class Jitted:
         return key, leaves, treedef, static
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if VirtualWorld._installed and not in_rank_thread():
+            vmesh = find_mesh(args, kwargs)
+            if vmesh is not None:
+                return virtual_call(vmesh, self, args, kwargs)
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
         key, leaves, treedef, static = self._key(args, kwargs)
@@ -100,6 +106,10 @@ class Jitted:
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
+        if VirtualWorld._installed and not in_rank_thread():
+            vmesh = find_mesh(args, kwargs)
+            if vmesh is not None:  # every rank lowers its own program; rank 0's is shown
+                return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
         key, leaves, treedef, static = self._key(args, kwargs)

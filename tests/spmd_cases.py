@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import pt3func as pf
-from pt3func.sharding import NamedSharding, P
+from pt3func.sharding import P
 
 STEPS = 4
 
@@ -72,26 +72,33 @@ def opt_state_specs(opt_state, param_specs, rule):
     return pf.tree.map(spec_for, opt_state)
 
 
-def run_case(name: str, backend: str = "eager") -> dict:
+def _local_numel(x) -> int | None:
+    """Elements this rank (rank 0 of a virtual mesh) holds of a sharded value."""
+    if hasattr(x, "locals"):
+        x = x.locals[0]
+    return x._local_tensor.numel() if hasattr(x, "_local_tensor") else None
+
+
+def run_case(name: str, backend: str = "eager", virtual: bool = False) -> dict:
     """Train the sharded step for STEPS steps; return what the test compares (on every rank)."""
     shape, axes, param_specs, opt_rule, batch_spec = CASES[name]
-    mesh = pf.make_mesh(shape, axes)
+    mesh = pf.make_mesh(shape, axes, virtual=virtual)
     with pf.set_mesh(mesh):
         params = pf.device_put(init_params(), param_specs)
-        opt_state = OPT.init(params)
+        opt_state = pf.jit(OPT.init, backend=backend)(params)  # jitted: runs where the shards live
         if opt_rule != "params":
             opt_state = pf.device_put(opt_state, opt_state_specs(opt_state, param_specs, opt_rule))
         opt_specs = None if opt_rule == "params" else opt_state_specs(opt_state, param_specs, opt_rule)
         step = pf.jit(train_step, in_shardings=(param_specs, opt_specs, (batch_spec, batch_spec)),
                       donate_argnums=(0, 1), backend=backend)
         losses = []
-        local_sizes = {k: v._local_tensor.numel() for k, v in _flat(params).items()}
+        local_sizes = {k: _local_numel(v) for k, v in _flat(params).items()}
         data = batches()
         lowered = step.lower(params, opt_state, data[0])
         for batch in data:
             params, opt_state, loss = step(params, opt_state, batch)
             losses.append(float(pf.device_get(loss)))
-        state_sizes = [x._local_tensor.numel() for x in pf.tree.leaves(opt_state) if hasattr(x, "_local_tensor")]
+        state_sizes = [n for n in map(_local_numel, pf.tree.leaves(opt_state)) if n is not None]
         return {
             "params": pf.tree.map(lambda x: x.clone(), pf.device_get(params)),
             "losses": losses,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import spmd_cases
 import torch
 from dist import run_world
-
-import spmd_cases
 
 pytestmark = pytest.mark.slow
 

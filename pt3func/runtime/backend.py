@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
+from pt3func.trace.capture import TRACE_LOCK
+
 BACKENDS = ("inductor", "eager")
 
 
@@ -22,6 +24,6 @@ def compile_program(
 
         # fallback_random: Inductor's own RNG would draw different numbers than eager torch; the contract
         # is that a jitted step sees the same random numbers as the same code run eagerly.
-        with inductor_config.patch(fallback_random=True):
+        with TRACE_LOCK, inductor_config.patch(fallback_random=True):
             return compile_fx(gm, list(example_inputs))
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

@@ -169,6 +169,12 @@ def make_mesh(
         raise ShardingError(f"axis_names {axis_names} must be distinct strings")
     if any(s < 1 for s in shape):
         raise ShardingError(f"mesh shape {shape} must be positive")
+    if virtual:
+        from pt3func.runtime.virtual import VirtualMesh, in_rank_thread
+
+        if not in_rank_thread():
+            return VirtualMesh(shape, axis_names, device_type or "cpu")
+        virtual = False
     _ensure_world(timeout)
     world = dist.get_world_size()
     if math.prod(shape) != world:

@@ -16,6 +16,18 @@ from pt3func.tree import NAMESPACE, PyTree, keystr
 Sharding = NamedSharding | PartitionSpec | None
 
 
+def _virtual_mesh(tree: PyTree, shardings: PyTree) -> Any:
+    """The virtual mesh this call must be dispatched to (from the main thread), or None."""
+    from pt3func.runtime import virtual
+
+    if not virtual.VirtualWorld._installed or virtual.in_rank_thread():
+        return None
+    for s in optree.tree_leaves(shardings, is_leaf=_is_sharding, none_is_leaf=True, namespace=NAMESPACE):
+        if isinstance(s, NamedSharding) and isinstance(s.mesh, virtual.VirtualMesh):
+            return s.mesh
+    return virtual.find_mesh(tree)
+
+
 def _is_sharding(x: Any) -> bool:
     return x is None or isinstance(x, (NamedSharding, PartitionSpec))
 
@@ -71,6 +83,11 @@ def device_put(tree: PyTree, shardings: PyTree = None) -> PyTree:
     A plain tensor is the full value: rank 0's copy is the one scattered (ranks should hold the same value).
     A DTensor is redistributed. Non-tensor leaves pass through.
     """
+    vmesh = _virtual_mesh(tree, shardings)
+    if vmesh is not None:
+        from pt3func.runtime import virtual
+
+        return virtual.device_put(vmesh, tree, shardings)
     paths, leaves, per_leaf, treedef = broadcast_shardings(tree, shardings)
     out = [_put_leaf(x, s, path, src_data_rank=0) for path, x, s in zip(paths, leaves, per_leaf)]
     return optree.tree_unflatten(treedef, out)
@@ -78,6 +95,11 @@ def device_put(tree: PyTree, shardings: PyTree = None) -> PyTree:
 
 def device_get(tree: PyTree) -> PyTree:
     """Every DTensor of `tree` as its full plain tensor (collective); everything else unchanged."""
+    vmesh = _virtual_mesh(tree, None)
+    if vmesh is not None:
+        from pt3func.runtime import virtual
+
+        return virtual.device_get(vmesh, tree)
     return optree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree,
                            none_is_leaf=True, namespace=NAMESPACE)
 

@@ -58,6 +58,10 @@ def visualize_sharding(x: torch.Tensor, *, width: int = 100) -> str:
     Cells show the index range of the block in every dim (for more than two dims, one line per block).
     Printed on rank 0 only; the drawing is returned as a string on every rank.
     """
+    from pt3func.runtime.virtual import VirtualArray
+
+    if isinstance(x, VirtualArray):
+        return x.mesh.run(lambda rank: visualize_sharding(x.locals[rank], width=width))[0]
     if isinstance(x, DTensor):
         held = _blocks(x)
         mesh = mesh_of(x.device_mesh)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
@@ -25,6 +26,10 @@ try:
     _DATA_DEPENDENT_ERRORS += (DataDependentOutputException, DynamicOutputShapeException)
 except ImportError:  # pragma: no cover - names are stable across 2.11-2.13
     pass
+
+# make_fx, our print guard and Inductor patch process-wide state: one trace or compile at a time, which
+# matters for the virtual mesh, whose ranks are threads of one process.
+TRACE_LOCK = threading.RLock()
 
 _FIX_CONTROL_FLOW = (
     "A jitted step is traced once into a static program, so it cannot branch in Python on a tensor's "
@@ -93,7 +98,7 @@ def trace(
 ) -> torch.fx.GraphModule:
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
-        with _no_printing_traced_tensors(fn_name), _record_user_frames():
+        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames():
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*example_inputs)
     except _DATA_DEPENDENT_ERRORS as exc:
         frame = user_frame_in_traceback(exc.__traceback__)

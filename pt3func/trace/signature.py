@@ -111,17 +111,13 @@ def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 def leaf_key(leaf: Any) -> Any:
     """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
+    if type(leaf) is torch.Tensor:  # the common case first: this runs for every leaf of every call
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
-            return (
-                type(leaf),
-                leaf.shape,
-                leaf.dtype,
-                leaf.device_mesh,
-                placement,
-                leaf._local_tensor.stride(),
-            )
+            # The mesh by identity: equal-looking meshes of different worlds (virtual ranks) are different programs.
+            return (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, leaf._local_tensor.stride())
         return (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)

@@ -1,0 +1,253 @@
+"""The virtual mesh: every rank of a mesh simulated inside one process, with real collective semantics.
+
+Each rank is a worker thread with its own torch.distributed world, joined through torch's threaded
+process group (the one torch's own DTensor tests use). A rank thread runs exactly the code a process of
+a multi-process world runs — device_put, the traced per-rank program, its collectives — so a virtual
+run equals a multi-process run. Values live in the rank threads: the main thread holds `VirtualArray`
+handles (one DTensor per rank) and `device_get` gathers them into full tensors.
+
+A process that uses a virtual mesh cannot also join a real torch.distributed world.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pt3func import tree
+from pt3func.errors import ShardingError
+from pt3func.sharding.mesh import Mesh
+
+_LOCAL = threading.local()  # in a rank thread: .rank, .world (the VirtualWorld it belongs to)
+
+
+class VirtualWorld:
+    """N rank threads, each in a threaded torch.distributed world of size N."""
+
+    _installed = False
+
+    def __init__(self, size: int) -> None:
+        _install()
+        self.size = size
+        self._store = dist.HashStore()
+        self._jobs: list[queue.Queue] = [queue.Queue() for _ in range(size)]
+        self._results: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._serve, args=(rank,), name=f"pt3func-virtual-rank{rank}", daemon=True)
+            for rank in range(size)
+        ]
+        for t in self._threads:
+            t.start()
+        self.run(lambda rank: None)  # every rank has joined its world
+
+    def _serve(self, rank: int) -> None:
+        _LOCAL.rank, _LOCAL.world = rank, self
+        torch.set_num_threads(1)
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=self.size, store=self._store)
+        except Exception as exc:  # reported by the first run()
+            self._results.put((rank, False, exc))
+            return
+        while True:
+            job = self._jobs[rank].get()
+            if job is None:
+                return
+            try:
+                self._results.put((rank, True, job(rank)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                self._results.put((rank, False, exc))
+
+    def run(self, job: Callable[[int], Any]) -> list[Any]:
+        """Run `job(rank)` on every rank thread at once; return the results in rank order.
+
+        An exception on any rank is raised here (rank 0's first): ranks run the same program, so an error
+        in tracing or sharding is raised by all of them alike.
+        """
+        for q in self._jobs:
+            q.put(job)
+        results: list[Any] = [None] * self.size
+        errors: dict[int, BaseException] = {}
+        for _ in range(self.size):
+            rank, ok, value = self._results.get()
+            if ok:
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            raise errors[min(errors)]
+        return results
+
+
+def _install() -> None:
+    if VirtualWorld._installed:
+        return
+    if dist.is_initialized():
+        raise ShardingError(
+            "a virtual mesh simulates its own world of ranks, but this process already belongs to a "
+            "torch.distributed world; use pf.make_mesh(...) without virtual=True here"
+        )
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+    _install_threaded_pg()
+    # Group names are registered per thread, so every rank thread can own groups named alike.
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    VirtualWorld._installed = True
+
+
+def in_rank_thread() -> bool:
+    return getattr(_LOCAL, "world", None) is not None
+
+
+class VirtualMesh(Mesh):
+    """A mesh whose ranks are threads of this process (see module docstring). Use it like any Mesh."""
+
+    def __init__(self, shape: tuple[int, ...], axis_names: tuple[str, ...], device_type: str) -> None:
+        self.axis_names = tuple(axis_names)
+        self.shape = tuple(shape)
+        self.device_type = device_type
+        self.virtual = True
+        self._groups = {}
+        self.world = VirtualWorld(math.prod(shape))
+        from pt3func.sharding.mesh import make_mesh
+
+        self._rank_meshes: list[Mesh] = self.world.run(lambda rank: make_mesh(shape, axis_names, device_type=device_type))
+
+    def rank_mesh(self) -> Mesh:
+        """The real Mesh of the rank thread this is called from."""
+        if not in_rank_thread():
+            raise ShardingError(
+                f"{self!r} is virtual: its ranks are threads, so rank-local operations (device_mesh, groups, "
+                "axis_index) exist only inside them; jitted steps, device_put and device_get dispatch there"
+            )
+        return self._rank_meshes[_LOCAL.rank]
+
+    @property
+    def device_mesh(self) -> Any:  # type: ignore[override]
+        return self.rank_mesh().device_mesh
+
+    def axis_index(self, axis_name: Any) -> int:
+        return self.rank_mesh().axis_index(axis_name)
+
+    def group(self, axis_name: Any) -> Any:
+        return self.rank_mesh().group(axis_name)
+
+    def group_name(self, axis_name: Any) -> str:
+        return self.rank_mesh().group_name(axis_name)
+
+    def run(self, job: Callable[[int], Any]) -> list[Any]:
+        """Run `job(rank)` in every rank thread, with this mesh as the current mesh there."""
+        from pt3func.sharding.mesh import set_mesh
+
+        def with_mesh(rank: int) -> Any:
+            with set_mesh(self):
+                return job(rank)
+
+        return self.world.run(with_mesh)
+
+
+class VirtualArray:
+    """A global array on a virtual mesh: one DTensor per rank thread. `pf.device_get` makes it a tensor."""
+
+    __slots__ = ("mesh", "locals")
+
+    def __init__(self, mesh: VirtualMesh, per_rank: list[Any]) -> None:
+        self.mesh = mesh
+        self.locals = per_rank
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.locals[0].shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.locals[0].dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def placements(self) -> tuple:
+        """DTensor placements; () for a plain per-rank tensor (a value each rank computed for itself)."""
+        return tuple(getattr(self.locals[0], "placements", ()))
+
+    def numel(self) -> int:
+        return self.locals[0].numel()
+
+    def full(self) -> torch.Tensor:
+        """The whole array as a plain tensor (gathered from the ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(self.locals[0], DTensor):
+            return self.locals[0]
+        return self.mesh.run(lambda rank: self.locals[rank].full_tensor())[0]
+
+    def item(self) -> Any:
+        return self.full().item()
+
+    def __float__(self) -> float:
+        return float(self.full())
+
+    def __repr__(self) -> str:
+        return f"VirtualArray(shape={tuple(self.shape)}, dtype={self.dtype}, placements={self.placements})"
+
+
+def is_virtual_leaf(x: Any) -> bool:
+    return isinstance(x, VirtualArray)
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, VirtualArray)
+
+
+def scatter_tree(tree_: Any, rank: int) -> Any:
+    """Rank `rank`'s view of a tree: each VirtualArray replaced by that rank's DTensor."""
+    return tree.map(lambda x: x.locals[rank] if isinstance(x, VirtualArray) else x, tree_, is_leaf=_is_leaf)
+
+
+def gather_trees(mesh: VirtualMesh, per_rank: list[Any]) -> Any:
+    """One tree from the ranks' trees: tensors become VirtualArrays (each rank keeps its own), anything else
+    is rank 0's."""
+    leaves0, structure = tree.flatten(per_rank[0])
+    per_rank_leaves = [tree.leaves(t) for t in per_rank]
+    out = [
+        VirtualArray(mesh, [leaves[i] for leaves in per_rank_leaves]) if isinstance(leaf, torch.Tensor) else leaf
+        for i, leaf in enumerate(leaves0)
+    ]
+    return tree.unflatten(structure, out)
+
+
+def find_mesh(*trees: Any) -> VirtualMesh | None:
+    """The virtual mesh of the first VirtualArray in `trees`, or the current mesh if it is virtual."""
+    from pt3func.sharding.mesh import get_mesh
+
+    for t in trees:
+        for leaf in tree.leaves(t, is_leaf=_is_leaf):
+            if isinstance(leaf, VirtualArray):
+                return leaf.mesh
+    mesh = get_mesh()
+    return mesh if isinstance(mesh, VirtualMesh) else None
+
+
+def device_put(mesh: VirtualMesh, tree_: Any, shardings: Any) -> Any:
+    from pt3func.sharding.put import device_put as put
+
+    return gather_trees(mesh, mesh.run(lambda rank: put(scatter_tree(tree_, rank), shardings)))
+
+
+def device_get(mesh: VirtualMesh, tree_: Any) -> Any:
+    from pt3func.sharding.put import device_get as get
+
+    return mesh.run(lambda rank: get(scatter_tree(tree_, rank)))[0]
+
+
+def call(mesh: VirtualMesh, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Call `fn` (a jitted step) on every rank with its local view of the arguments; gather the outputs."""
+    per_rank = mesh.run(lambda rank: fn(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))
+    return gather_trees(mesh, per_rank)
