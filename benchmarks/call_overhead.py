@@ -209,7 +209,8 @@ def main() -> None:
         add(compile_name, functional(torch.compile(train_step, fullgraph=True)))
     except torch._dynamo.exc.Unsupported as exc:
         # Same math, with the autograd call written out, so the comparison still has a fullgraph baseline.
-        reason = str(exc).splitlines()[0]
+        lines = [line.strip() for line in str(exc).splitlines()]
+        reason = next((line for line in lines if line.startswith("Explanation:")), lines[0])
         print(
             f"torch.compile(fullgraph=True) cannot trace pf.value_and_grad ({reason}); "
             "compiling the same step with torch.autograd.grad called directly"

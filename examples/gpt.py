@@ -14,8 +14,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pt3func as pf
+from pt3func import P
 
 Params = dict[str, Any]
 
@@ -79,6 +83,28 @@ def init_params(config: GPTConfig, seed: int = 0, device: torch.device | str | N
     return params
 
 
+def param_specs(params: Params, tp: str | None = "tp") -> Params:
+    """Megatron tensor parallelism over mesh axis `tp` (None: everything replicated), as a tree of `P`.
+
+    qkv and the MLP's first projection split their output features (column-parallel), the attention and
+    MLP output projections their input features (row-parallel): one all-reduce per block in the forward.
+    Embeddings and norms are replicated.
+    """
+    column, row, replicated = P(tp, None), P(None, tp), P()
+
+    def spec(path: tuple, leaf: torch.Tensor) -> P:
+        if tp is None or leaf.ndim != 2 or path[0] != "blocks":
+            return replicated
+        name = path[3]
+        if name in ("qkv", "fc"):
+            return column
+        if name == "proj":
+            return row
+        raise ValueError(f"no tensor-parallel rule for params{pf.tree.keystr(path)}")
+
+    return pf.tree.map_with_path(spec, params)
+
+
 def num_params(params: Params) -> int:
     """How many scalars the params hold."""
     return sum(leaf.numel() for leaf in pf.tree.leaves(params))
@@ -98,11 +124,18 @@ def _dropout(x: torch.Tensor, config: GPTConfig, train: bool) -> torch.Tensor:
 
 
 def _attention(x: torch.Tensor, p: Params, config: GPTConfig, train: bool) -> torch.Tensor:
+    # Head-major (h, three, d) columns: a tensor-parallel split of qkv's output dim gives each rank whole heads.
     q, k, v = rearrange(
-        _linear(x, p["qkv"]["weight"], config), "b t (three h d) -> three b h t d", three=3, h=config.n_heads
+        _linear(x, p["qkv"]["weight"], config), "b t (h three d) -> three b h t d", three=3, h=config.n_heads
     )
     dropout_p = config.dropout if train else 0.0
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if isinstance(q, DTensor) and q.device.type == "cpu":
+        # DTensor has no sharding rule for the fused CPU attention kernel; the math kernel decomposes into
+        # ops it has (its causal mask is a plain tensor, hence implicit replication).
+        with sdpa_kernel(SDPBackend.MATH), implicit_replication():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return _linear(rearrange(y, "b h t d -> b t (h d)"), p["proj"]["weight"], config)
 
 

@@ -1,0 +1,254 @@
+"""The anchor GPT training step (forward, backward, AdamW) as one pure function, run through `pf.jit`.
+
+Same model, flags, timing and JSON fields as `shared/bench/anchor_lm_step.py`, so its rows sit beside the
+anchor's torch eager / torch.compile / JAX jit rows: 12 layers, d=1024, 16 heads, seq 1024, batch 16,
+vocab 32768, tied embeddings, pre-LN, GELU (tanh), bias-free linears, LayerNorms with bias, bf16 matmuls
+over fp32 master weights, fp32 logits and cross-entropy, AdamW(lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
+weight_decay=0.01) from `pf.optim`. The params are a nested dict; the whole step is
+`pf.jit(train_step, donate_argnums=(0, 1))`.
+
+    python benchmarks/lm_step.py                                  # H200: the anchor's config
+    python benchmarks/lm_step.py --no-donate                      # functional update without donation
+    python benchmarks/lm_step.py --precision autocast             # torch.autocast instead of in-step casts
+    torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp     # batch sharded
+    torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding fsdp   # + params and state
+    python benchmarks/lm_step.py --layers 2 --d 64 --heads 4 --seq 32 --batch 2 --vocab 256 --steps 3 \\
+        --device cpu --threads 1
+
+Prints one JSON line with the anchor's fields (impl, params_m, step_ms, tokens_per_s, mfu, peak_mem_gib, loss)
+plus pf.jit's own: compile_s (first call: trace + Inductor compile + one step), trace_s (`step.lower`),
+n_nodes, and pt3func's `memory_analysis()` peak and `cost_analysis()` flops beside the analytic flops;
+appends the same record to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from common import RESULTS, append_jsonl, environment
+from torch.distributed.tensor import DTensor, Shard
+
+import pt3func as pf
+from pt3func import NamedSharding, P
+
+Params = dict[str, Any]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The anchor's flags, same names and defaults.
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--peak_tflops", type=float, default=989.0)  # H100/H200 dense bf16 datasheet, as the anchor
+    # pf.jit's own.
+    p.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
+    p.add_argument("--no-donate", action="store_true", help="do not donate params and optimizer state")
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "autocast"),
+        default="bf16",
+        help="bf16: cast the fp32 master weights to bf16 inside the step and keep activations (residual "
+        "stream included) in bf16, as the anchor's JAX version does; autocast: torch.autocast around the "
+        "forward, fp32 residual stream, as the anchor's torch versions do",
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--sharding",
+        choices=("none", "dp", "fsdp"),
+        default="none",
+        help="under torchrun: dp = batch sharded over all ranks (--batch per rank, as the anchor's DDP); "
+        "fsdp = params and optimizer state sharded on dim 0 too (where it divides, as the anchor's jax-fsdp)",
+    )
+    p.add_argument("--overlap", action="store_true", help="Inductor's compute/communication reordering pass")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (CPU smoke runs: 1 on a shared machine, where OpenMP's spinning threads "
+        "make a tiny step 100x slower)",
+    )
+    p.add_argument("--out", default=None, help="JSONL file to append the record to (default: results/lm_step_*)")
+    return p.parse_args()
+
+
+def init_params(a: argparse.Namespace, device: torch.device) -> Params:
+    """fp32 master weights, N(0, 0.02) as in the anchor's JAX version; nn.Linear's (out, in) layout."""
+    torch.manual_seed(0)
+    d = a.d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device) * 0.02
+
+    def norm() -> Params:
+        return {"weight": torch.ones(d, device=device), "bias": torch.zeros(d, device=device)}
+
+    return {
+        "emb": normal(a.vocab, d),
+        "blocks": {
+            str(i): {
+                "ln1": norm(),
+                "qkv": normal(3 * d, d),
+                "proj": normal(d, d),
+                "ln2": norm(),
+                "fc": normal(4 * d, d),
+                "out": normal(d, 4 * d),
+            }
+            for i in range(a.layers)
+        },
+        "lnf": norm(),
+    }
+
+
+def make_train_step(a: argparse.Namespace, device_type: str) -> tuple[Any, pf.optim.GradientTransformation]:
+    """The whole step as a pure function of (params, opt_state, idx, tgt), and its optimizer."""
+    heads, head_dim = a.heads, a.d // a.heads
+    # In "bf16" mode every activation is bf16, so the weights are cast to it (a LayerNorm's too: its kernel
+    # wants one dtype, and accumulates in fp32 regardless). In "autocast" mode nothing is cast by hand.
+    cast = (lambda w: w.to(torch.bfloat16)) if a.precision == "bf16" else (lambda w: w)
+
+    def layer_norm(x: torch.Tensor, p: Params) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], cast(p["weight"]), cast(p["bias"]))
+
+    def block(x: torch.Tensor, p: Params) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = F.linear(layer_norm(x, p["ln1"]), cast(p["qkv"]))
+        q, k, v = qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + F.linear(y.transpose(1, 2).reshape(b, s, d), cast(p["proj"]))
+        h = F.gelu(F.linear(layer_norm(x, p["ln2"]), cast(p["fc"])), approximate="tanh")
+        return x + F.linear(h, cast(p["out"]))
+
+    def forward_loss(params: Params, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        emb = cast(params["emb"])  # cast once: read by the lookup and by the tied unembedding
+        x = F.embedding(idx, emb)
+        for i in range(a.layers):
+            x = block(x, params["blocks"][str(i)])
+        logits = F.linear(layer_norm(x, params["lnf"]), emb)
+        return F.cross_entropy(logits.float().view(-1, a.vocab), tgt.view(-1))
+
+    def loss_fn(params: Params, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        if a.precision == "autocast":
+            # Only the forward is under autocast, as in the anchor: the backward runs outside it.
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                return forward_loss(params, idx, tgt)
+        return forward_loss(params, idx, tgt)
+
+    opt = pf.optim.adamw(3e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)  # torch.optim.AdamW's defaults
+
+    def train_step(params: Params, opt_state: Any, idx: torch.Tensor, tgt: torch.Tensor) -> Any:
+        loss, grads = pf.value_and_grad(loss_fn)(params, idx, tgt)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return pf.optim.apply_updates(params, updates), opt_state, loss
+
+    return train_step, opt
+
+
+def main() -> None:
+    a = parse_args()
+    device = torch.device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    on_cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    L, D, S, B, V = a.layers, a.d, a.seq, a.batch, a.vocab
+    # The anchor's formulas, so MFU is counted the same way.
+    n_params = V * D + L * (12 * D * D + 4 * D) + 2 * D
+    flops_per_step = 6 * n_params * B * S + 12 * L * D * S * B * S
+
+    world, rank = 1, 0
+    if a.sharding != "none":
+        mesh = pf.make_mesh((int(os.environ.get("WORLD_SIZE", "1")),), ("dp",))
+        world, rank = mesh.size, torch.distributed.get_rank()
+        device = torch.device(a.device, torch.cuda.current_device()) if on_cuda else device
+    if a.overlap:
+        torch._inductor.config.reorder_for_compute_comm_overlap = True
+    params = init_params(a, device)
+    assert sum(t.numel() for t in pf.tree.leaves(params)) == n_params, "params differ from the anchor's model"
+    train_step, opt = make_train_step(a, device.type)
+    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend)
+    torch.manual_seed(rank)  # each rank its own batch, as the anchor's DDP
+    idx = torch.randint(0, V, (B, S), device=device)
+    tgt = torch.randint(0, V, (B, S), device=device)
+    if a.sharding != "none":
+        # The global batch is every rank's local batch stacked: a DTensor sharded on dim 0, built without comm.
+        idx, tgt = (DTensor.from_local(t, mesh.device_mesh, [Shard(0)], run_check=False) for t in (idx, tgt))
+        specs = pf.tree.map(
+            lambda t: P("dp") if a.sharding == "fsdp" and t.shape[0] % world == 0 else P(), params
+        )
+        params = pf.device_put(params, pf.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        opt_state = pf.jit(opt.init, backend=a.backend)(params)  # state created where its shards live
+    else:
+        opt_state = opt.init(params)
+
+    # The anchor's timing: 3 warm-up steps (the first one compiles), then the median of --steps.
+    times = []
+    for _ in range(a.steps + 3):
+        sync()
+        start = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, idx, tgt)
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if on_cuda else None
+    loss = float(pf.device_get(loss))
+
+    # lower() traces again, in fake mode (no compute, no memory), for the program's size and analyses.
+    start = time.perf_counter()
+    lowered = step.lower(params, opt_state, idx, tgt)
+    trace_s = time.perf_counter() - start
+    memory, cost = lowered.memory_analysis(), lowered.cost_analysis()
+
+    med = statistics.median(times[3:])
+    record = dict(
+        impl="pt3func-jit" + ("" if a.sharding == "none" else f"-{a.sharding}"),
+        gpus=world,
+        params_m=round(n_params / 1e6, 1),
+        step_ms=round(med * 1e3, 2),
+        tokens_per_s=round(world * B * S / med),
+        mfu=round(flops_per_step / med / (a.peak_tflops * 1e12), 4),
+        peak_mem_gib=round(peak / 2**30, 2) if on_cuda else None,
+        loss=loss,
+        compile_s=round(times[0], 2),
+        trace_s=round(trace_s, 2),
+        n_nodes=len(lowered.graph_module.graph.nodes),
+        pf_peak_mem_gib=round(memory["peak_bytes"] / 2**30, 2),
+        pf_peak_bytes=memory["peak_bytes"],
+        pf_flops=cost["flops"],
+        analytic_flops=flops_per_step,
+        pf_flops_over_analytic=round(cost["flops"] / flops_per_step, 4),
+        backend=a.backend,
+        donate=not a.no_donate,
+        precision=a.precision,
+        overlap=a.overlap,
+        comm_bytes=cost["comm_bytes"],
+        config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),
+        env=environment(),
+    )
+    if rank != 0:
+        torch.distributed.destroy_process_group()
+        return
+    print(json.dumps(record), flush=True)
+    out = a.out or RESULTS / f"lm_step_{_device_slug(device)}.jsonl"
+    print(f"appended to {append_jsonl(out, record)}")
+
+
+def _device_slug(device: torch.device) -> str:
+    """`nvidia-h200` for an H200, `cpu` on the CPU: one results file per kind of device."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device).lower().replace(" ", "-")
+
+
+if __name__ == "__main__":
+    main()
