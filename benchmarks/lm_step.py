@@ -73,6 +73,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--overlap", action="store_true", help="Inductor's compute/communication reordering pass")
     p.add_argument(
+        "--bucket",
+        action="store_true",
+        help="Inductor's collective bucketing and overlap scheduler (options that exist in this torch version)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -174,6 +179,15 @@ def main() -> None:
         device = torch.device(a.device, torch.cuda.current_device()) if on_cuda else device
     if a.overlap:
         torch._inductor.config.reorder_for_compute_comm_overlap = True
+    if a.bucket:
+        _set_inductor_options(
+            {
+                "bucket_all_gathers_fx": "all",
+                "bucket_reduce_scatters_fx": "all",
+                "bucket_all_reduces_fx": "all",
+                "aten_distributed_optimizations.enable_overlap_scheduling": True,
+            }
+        )
     params = init_params(a, device)
     assert sum(t.numel() for t in pf.tree.leaves(params)) == n_params, "params differ from the anchor's model"
     train_step, opt = make_train_step(a, device.type)
@@ -231,6 +245,7 @@ def main() -> None:
         donate=not a.no_donate,
         precision=a.precision,
         overlap=a.overlap,
+        bucket=a.bucket,
         comm_bytes=cost["comm_bytes"],
         config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),
         env=environment(),
@@ -241,6 +256,23 @@ def main() -> None:
     print(json.dumps(record), flush=True)
     out = a.out or RESULTS / f"lm_step_{_device_slug(device)}.jsonl"
     print(f"appended to {append_jsonl(out, record)}")
+
+
+def _set_inductor_options(options: dict[str, Any]) -> None:
+    """Set the Inductor options this torch version has (the names moved between 2.11 and 2.13)."""
+    config = torch._inductor.config
+    known = config.get_config_copy()
+    for name, value in options.items():
+        if name in known:
+            config.__setattr__(name, value) if "." not in name else _set_nested(config, name, value)
+            print(f"inductor option {name} = {value}")
+        else:
+            print(f"inductor option {name} not in this torch version")
+
+
+def _set_nested(config: Any, name: str, value: Any) -> None:
+    head, tail = name.split(".", 1)
+    setattr(getattr(config, head), tail, value)
 
 
 def _device_slug(device: torch.device) -> str:
