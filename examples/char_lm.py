@@ -1,17 +1,23 @@
 """Train a small character-level GPT on Python's standard library source with pt3func.
 
-    python examples/char_lm.py                      # the `make demo` run: a few minutes on 2 CPU cores
+    python examples/char_lm.py --mesh 2x2 --virtual  # the `make demo` run: a few minutes on 2 CPU cores
+    python examples/char_lm.py                       # one device
     python examples/char_lm.py --steps 50 --backend eager
+    pt3func run -n 4 examples/char_lm.py --mesh 2x2  # the same 2 x 2 mesh as 4 processes
 
 The whole training step (forward, backward, clipping, AdamW with a warmup-cosine schedule) is one pure
 function, traced and compiled once by `pf.jit`; params and optimizer state are plain nested dicts whose
-buffers are donated and updated in place. At the end it compares the validation loss with a unigram
-baseline and samples some text.
+buffers are donated and updated in place. With `--mesh DPxTP` the same step runs data-parallel over
+`dp` and Megatron tensor-parallel over `tp`: the params are placed once with `pf.device_put`, the batch
+is split over `dp`, and the compiled per-rank program holds the collectives, which are summarised
+before training. At the end it compares the validation loss with a unigram baseline and samples text.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 import pt3func as pf
+from pt3func import P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,12 +55,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seeds params, batches and sampling")
     add("--eval-interval", type=int, default=100, help="steps between validation losses")
     add("--eval-batches", type=int, default=8, help="validation batches per evaluation")
-    add("--backend", choices=("inductor", "eager"), default="inductor", help="how pf.jit runs the step")
+    add("--mesh", default=None, help="DPxTP (e.g. 2x2) or DP (e.g. 4) ranks; default: one device, no mesh")
+    add("--virtual", action="store_true", help="simulate the mesh's ranks as threads of this process")
+    add(
+        "--backend",
+        choices=("auto", "inductor", "eager"),
+        default="auto",
+        help="how pf.jit runs the step; auto: eager on a virtual mesh, else inductor",
+    )
     add("--max-bytes", type=int, default=chardata.DEFAULT_MAX_BYTES, help="bytes of stdlib source to read")
     add("--sample-chars", type=int, default=200, help="characters to generate at the end")
     add("--temperature", type=float, default=0.8)
     add("--prompt", default="def ")
     return parser.parse_args(argv)
+
+
+def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """`"2x2"` -> ((2, 2), ("dp", "tp")); `"4"` -> ((4,), ("dp",))."""
+    try:
+        shape = tuple(int(size) for size in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) not in (1, 2) or min(shape) < 1:
+        raise ValueError(f"--mesh takes DPxTP or DP, e.g. 2x2 or 4; got {text!r}")
+    return shape, ("dp", "tp")[: len(shape)]
+
+
+def backend_for(args: argparse.Namespace) -> str:
+    """The `pf.jit` backend `--backend auto` stands for."""
+    if args.backend != "auto":
+        return args.backend
+    # A virtual mesh compiles every rank's program in turn under one lock, so Inductor's compile time is
+    # paid once per rank; at this model size that costs more than the fused kernels save.
+    return "eager" if args.virtual and args.mesh else "inductor"
 
 
 def model_config(args: argparse.Namespace, vocab: int) -> gpt.GPTConfig:
@@ -112,6 +146,27 @@ def evaluate(eval_step: Callable[..., Any], params: gpt.Params, batches: Sequenc
     return sum(float(eval_step(params, batch)) for batch in batches) / len(batches)
 
 
+def collective_summary(lowered: pf.Lowered, examples: int = 6) -> str:
+    """What one step communicates: calls and bytes per collective kind, then a few annotated program lines."""
+    comm_bytes = lowered.cost_analysis()["comm_bytes"]
+    lines = [line.strip() for line in lowered.as_text().splitlines() if "# COLLECTIVE " in line]
+    kinds = [re.search(r"# COLLECTIVE (\S+)", line)[1] for line in lines]
+    if not lines:
+        return "collectives per step (one rank's program): none"
+    out = ["collectives per step (one rank's program):"]
+    for kind, total in sorted(comm_bytes.items(), key=lambda item: -item[1]):
+        out.append(f"  {kind:<28} {kinds.count(kind):4d} calls  {total / 2**10:10,.1f} KiB")
+    out.append(f"  {'total':<28} {len(kinds):4d} calls  {sum(comm_bytes.values()) / 2**10:10,.1f} KiB")
+    # The first line of each (kind, axis): the forward's TP all-reduce, the gradient all-reduce over dp, ...
+    firsts: dict[str, str] = {}
+    for line in lines:
+        firsts.setdefault(re.search(r"# (COLLECTIVE \S+ over \S+)", line)[1], line)
+    picked = list(firsts.values())[:examples]
+    out.append(f"from lowered.as_text() ({len(picked)} of {len(lines)} collective lines):")
+    out += [f"  {line}" for line in picked]
+    return "\n".join(out)
+
+
 @torch.no_grad()
 def generate(
     params: gpt.Params, config: gpt.GPTConfig, prompt: torch.Tensor, n_chars: int, temperature: float, seed: int
@@ -141,65 +196,109 @@ def train(
     opt_state: Any,
     train_batches: Iterator[Batch],
     val_batches: Sequence[Batch],
-) -> tuple[gpt.Params, Any, dict[str, float]]:
-    """Run `args.steps` steps with a progress bar; returns the final params, state and statistics."""
+    show: bool = True,
+) -> tuple[gpt.Params, Any, dict[str, Any]]:
+    """Run `args.steps` steps with a progress bar (when `show`); returns the final params, state and statistics."""
     tokens_per_step = args.batch * args.seq
     timed_seconds, timed_steps = 0.0, 0
-    loss = first_step_s = float("nan")
-    bar = tqdm(range(1, args.steps + 1), desc="train", dynamic_ncols=True)
+    losses: list[float] = []
+    first_step_s = tokens_per_s = float("nan")
+    bar = tqdm(range(1, args.steps + 1), desc="train", dynamic_ncols=True, disable=not show)
     for i in bar:
         start = time.perf_counter()
         params, opt_state, metrics = step(params, opt_state, next(train_batches))
-        loss = float(metrics["loss"])  # waits for the step, so the timing below is honest
-        # The first call traces and compiles; counting it would understate the steady-state speed.
+        losses.append(float(metrics["loss"]))  # waits for the step, so the timing below is honest
+        # The first call compiles; counting it would understate the steady-state speed.
         if i == 1:
             first_step_s = time.perf_counter() - start
         else:
             timed_seconds += time.perf_counter() - start
             timed_steps += 1
         tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_steps else float("nan")
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if i % args.eval_interval == 0 and i != args.steps:
-            bar.write(f"step {i:5d}  train loss {loss:.3f}  val loss {evaluate(eval_step, params, val_batches):.3f}")
+            val_loss = evaluate(eval_step, params, val_batches)  # on every rank: it is collective
+            if show:
+                bar.write(f"step {i:5d}  train loss {losses[-1]:.3f}  val loss {val_loss:.3f}")
     bar.close()
-    return params, opt_state, {"train_loss": loss, "tokens_per_s": tokens_per_s, "first_step_s": first_step_s}
+    stats = {"train_loss": losses[-1], "losses": losses, "tokens_per_s": tokens_per_s, "first_step_s": first_step_s}
+    return params, opt_state, stats
+
+
+def make_mesh(args: argparse.Namespace) -> pf.Mesh | None:
+    """The `--mesh` (virtual with `--virtual`), or None for one device."""
+    if args.mesh is None:
+        return None
+    shape, names = parse_mesh(args.mesh)
+    if args.batch % shape[0]:
+        raise ValueError(f"--batch {args.batch} does not split over dp={shape[0]} ranks")
+    return pf.make_mesh(shape, names, virtual=args.virtual)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train, evaluate against the unigram baseline, sample; returns the numbers it printed."""
     args = parse_args(argv)
     started = time.perf_counter()
+    mesh = make_mesh(args)
+    backend = backend_for(args)
+    # In a multi-process run every rank computes, rank 0 reports.
+    show = mesh is None or mesh.virtual or torch.distributed.get_rank() == 0
+    say = print if show else lambda *_: None
 
     dataset = chardata.load_dataset(args.max_bytes)
     baseline = chardata.unigram_baseline(dataset.train, dataset.val, dataset.vocab_size)
     config = model_config(args, dataset.vocab_size)
     params = gpt.init_params(config, seed=args.seed)
     opt = make_optimizer(args)
-    opt_state = opt.init(params)
-    print(
+    on_mesh = f"{mesh!r}" if mesh is not None else "one device"
+    say(
         f"data: {dataset.train.numel():,} train / {dataset.val.numel():,} val chars, vocab {dataset.vocab_size}; "
-        f"model: {gpt.num_params(params):,} params; backend: {args.backend}"
+        f"model: {gpt.num_params(params):,} params; {on_mesh}; backend: {backend}"
     )
 
-    # Donation lets the compiled step write the new params and moments over the old ones: no second copy.
-    step = pf.jit(make_train_step(config, opt), donate_argnums=(0, 1), backend=args.backend)
-    eval_step = pf.jit(make_eval_step(config), backend=args.backend)
-    train_batches = chardata.batches(dataset.train, args.batch, args.seq, seed=args.seed)
-    # A fixed validation set, so every evaluation measures the same thing.
-    val_stream = chardata.batches(dataset.val, args.batch, args.seq, seed=args.seed + 1)
-    val_batches = [next(val_stream) for _ in range(args.eval_batches)]
+    with pf.set_mesh(mesh):
+        if mesh is None:
+            opt_state = opt.init(params)
+            batch_spec = None
+        else:
+            # Replicated over dp, Megatron-split over tp; the optimizer state, made where the shards live,
+            # takes the same layout.
+            tp = "tp" if "tp" in mesh.axis_names else None
+            params = pf.device_put(params, gpt.param_specs(params, tp=tp))
+            opt_state = pf.jit(opt.init, backend=backend)(params)
+            batch_spec = P("dp")
+        # Donation lets the compiled step write the new params and moments over the old ones: no second copy.
+        step = pf.jit(
+            make_train_step(config, opt), in_shardings=(None, None, batch_spec), donate_argnums=(0, 1), backend=backend
+        )
+        eval_step = pf.jit(make_eval_step(config), in_shardings=(None, batch_spec), backend=backend)
+        train_batches = chardata.batches(dataset.train, args.batch, args.seq, seed=args.seed)
+        # A fixed validation set, so every evaluation measures the same thing.
+        val_stream = chardata.batches(dataset.val, args.batch, args.seq, seed=args.seed + 1)
+        val_batches = [next(val_stream) for _ in range(args.eval_batches)]
 
-    params, opt_state, stats = train(args, step, eval_step, params, opt_state, train_batches, val_batches)
-    val_loss = evaluate(eval_step, params, val_batches)
+        lower_s = 0.0
+        if mesh is not None:
+            # Lowering traces the step (the first call reuses it): look at the program before running it.
+            first = next(train_batches)
+            train_batches = itertools.chain([first], train_batches)
+            start = time.perf_counter()
+            lowered = step.lower(params, opt_state, first)
+            lower_s = time.perf_counter() - start
+            say(collective_summary(lowered))
+
+        params, opt_state, stats = train(args, step, eval_step, params, opt_state, train_batches, val_batches, show)
+        val_loss = evaluate(eval_step, params, val_batches)
+        # Sampling is a short eager loop over growing contexts: one device with the full params does it.
+        full_params = pf.device_get(params)
     verdict = "beats" if val_loss < baseline else "does NOT beat"
-    print(f"unigram baseline {baseline:.3f} nats/char | final val loss {val_loss:.3f} nats/char -> model {verdict} it")
-
-    ids = generate(params, config, dataset.encode(args.prompt), args.sample_chars, args.temperature, args.seed)
+    say(f"unigram baseline {baseline:.3f} nats/char | final val loss {val_loss:.3f} nats/char -> model {verdict} it")
+    ids = generate(full_params, config, dataset.encode(args.prompt), args.sample_chars, args.temperature, args.seed)
     sample = dataset.decode(ids)
-    print(f"sample (temperature {args.temperature}):\n{'-' * 60}\n{sample}\n{'-' * 60}")
+    say(f"sample (temperature {args.temperature}):\n{'-' * 60}\n{sample}\n{'-' * 60}")
     seconds = time.perf_counter() - started
-    print(
-        f"done in {seconds:.0f} s: first step (trace + compile) {stats['first_step_s']:.1f} s, "
+    say(
+        f"done in {seconds:.0f} s: first step (trace + compile) {lower_s + stats['first_step_s']:.1f} s, "
         f"then {stats['tokens_per_s']:,.0f} tokens/s"
     )
     return {"baseline": baseline, "val_loss": val_loss, "sample": sample, "seconds": seconds, **stats}

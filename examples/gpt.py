@@ -14,9 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.distributed.tensor import DTensor, Replicate
 
 import pt3func as pf
 from pt3func import P
@@ -130,13 +128,25 @@ def _attention(x: torch.Tensor, p: Params, config: GPTConfig, train: bool) -> to
     )
     dropout_p = config.dropout if train else 0.0
     if isinstance(q, DTensor) and q.device.type == "cpu":
-        # DTensor has no sharding rule for the fused CPU attention kernel; the math kernel decomposes into
-        # ops it has (its causal mask is a plain tensor, hence implicit replication).
-        with sdpa_kernel(SDPBackend.MATH), implicit_replication():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = _plain_attention(q, k, v, dropout_p)
     else:
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return _linear(rearrange(y, "b h t d -> b t (h d)"), p["proj"]["weight"], config)
+
+
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention from matmuls and softmax, for DTensors on CPU.
+
+    DTensor has no sharding rule for the fused CPU attention kernel, and its math fallback reads a scalar
+    back into Python; these ops all have rules. The causal mask is built on every rank: replicated.
+    """
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    replicated = [Replicate()] * scores.device_mesh.ndim
+    causal = DTensor.from_local(causal, scores.device_mesh, replicated, run_check=False)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return F.dropout(scores.softmax(-1), dropout_p) @ v
 
 
 def _mlp(x: torch.Tensor, p: Params, config: GPTConfig) -> torch.Tensor:

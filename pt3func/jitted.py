@@ -94,7 +94,7 @@ class Jitted:
             if vmesh is not None:
                 return virtual_call(vmesh, self, args, kwargs)
         if self.in_shardings is not None:
-            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
+            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
         key, leaves, treedef, static = self._key(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
@@ -111,7 +111,7 @@ class Jitted:
             if vmesh is not None:  # every rank lowers its own program; rank 0's is shown
                 return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
         if self.in_shardings is not None:
-            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums)
+            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
         key, leaves, treedef, static = self._key(args, kwargs)
         lowered = self._lowered.get(key)
         if lowered is None:

@@ -116,7 +116,9 @@ class VirtualMesh(Mesh):
         self.world = VirtualWorld(math.prod(shape))
         from pt3func.sharding.mesh import make_mesh
 
-        self._rank_meshes: list[Mesh] = self.world.run(lambda rank: make_mesh(shape, axis_names, device_type=device_type))
+        self._rank_meshes: list[Mesh] = self.world.run(
+            lambda rank: make_mesh(shape, axis_names, device_type=device_type)
+        )
 
     def rank_mesh(self) -> Mesh:
         """The real Mesh of the rank thread this is called from."""

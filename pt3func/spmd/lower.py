@@ -196,7 +196,9 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def apply_in_shardings(args: tuple[Any, ...], in_shardings: Any, static_argnums: frozenset[int]) -> tuple[Any, ...]:
+def apply_in_shardings(
+    args: tuple[Any, ...], in_shardings: Any, static_argnums: frozenset[int], labels: Sequence[str] = ()
+) -> tuple[Any, ...]:
     """Place positional arguments as `in_shardings` asks (a per-argument pytree prefix; None keeps as is).
 
     Leaves already placed as asked are passed through untouched (same object), so donation still
@@ -204,7 +206,7 @@ def apply_in_shardings(args: tuple[Any, ...], in_shardings: Any, static_argnums:
     """
     from pt3func.errors import ShardingError
     from pt3func.sharding.put import broadcast_shardings, device_put
-    from pt3func.tree import unflatten
+    from pt3func.tree import keystr, unflatten
 
     shardings = in_shardings if isinstance(in_shardings, (tuple, list)) else (in_shardings,)
     if len(shardings) > len(args):
@@ -221,7 +223,11 @@ def apply_in_shardings(args: tuple[Any, ...], in_shardings: Any, static_argnums:
             if s is None or not isinstance(leaf, torch.Tensor):
                 placed.append(leaf)
                 continue
-            put = device_put(leaf, s) if not _already_placed(leaf, s, path) else leaf
+            try:
+                put = leaf if _already_placed(leaf, s, path) else device_put(leaf, s)
+            except ShardingError as exc:
+                label = labels[i] if labels and i < len(labels) else f"args[{i}]"
+                raise ShardingError(f"in_shardings of {label}{keystr(path)}: {exc}") from None
             placed.append(put)
         out[i] = unflatten(treedef, placed)
     return tuple(out)

@@ -93,12 +93,41 @@ def _record_user_frames() -> Iterator[None]:
             del PythonKeyTracer._filter_traceback_frames
 
 
+@contextlib.contextmanager
+def _dtensor_bookkeeping_untraced() -> Iterator[None]:
+    """Run DTensor's shard-offset arithmetic outside the trace.
+
+    `_StridedShard` (what a view of a sharded dim gives) computes offsets with torch.arange(...).tolist()
+    on the mesh; under make_fx that records thousands of dead nodes and makes tracing slow.
+    """
+    from torch.distributed.tensor import placement_types
+
+    cls = getattr(placement_types, "_StridedShard", None)
+    name = "local_shard_size_and_offset"
+    raw = cls.__dict__.get(name) if cls is not None else None
+    if raw is None or isinstance(raw, (staticmethod, classmethod)):
+        yield
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    def untraced(*args: object, **kwargs: object) -> object:
+        with unset_fake_temporarily(), disable_proxy_modes_tracing():
+            return raw(*args, **kwargs)
+
+    setattr(cls, name, untraced)
+    try:
+        yield
+    finally:
+        setattr(cls, name, raw)
+
+
 def trace(
     fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor], fn_name: str
 ) -> torch.fx.GraphModule:
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
-        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames():
+        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced():
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*example_inputs)
     except _DATA_DEPENDENT_ERRORS as exc:
         frame = user_frame_in_traceback(exc.__traceback__)
@@ -106,6 +135,10 @@ def trace(
         raise DataDependentControlFlowError(
             f"{where}: Python control flow on a tensor value. {_FIX_CONTROL_FLOW}"
         ) from None
+    # DTensor's own bookkeeping (mesh coordinates read with .tolist()) leaves dead scalar reads behind;
+    # only values the program uses count.
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
     check_static(gm, fn_name)
     return gm
 
