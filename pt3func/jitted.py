@@ -57,6 +57,12 @@ class Jitted:
             raise ValueError(f"pf.jit: unknown backend {backend!r}; choose one of {BACKENDS}")
         if memory_budget is not None and not 0.0 <= memory_budget <= 1.0:
             raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {memory_budget}")
+        # Accepted by the signature (the API contract) but not built yet: refuse rather than ignore them.
+        for name, value in (("grad_exchange", grad_exchange), ("memory_budget", memory_budget)):
+            if value is not None:
+                raise NotImplementedError(
+                    f"pf.jit({name}=...) is not implemented yet (README, 'Status'); leave it None for now"
+                )
         self.fn = fn
         self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
         self._spec = ArgSpec.build(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
