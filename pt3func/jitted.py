@@ -76,11 +76,11 @@ class Jitted:
         self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
         functools.update_wrapper(self, fn)
 
-    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any], Any, tuple]:
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any], Any, tuple, Compiled | None]:
         leaves, treedef, static = split_call(self._spec, args, kwargs)
         try:
             key = (treedef, static, tuple([leaf_key(leaf) for leaf in leaves]))
-            hash(key)
+            compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here
         except TypeError:
             check_hashable(static, lambda: [repr(s) for s in static])
             bad = [
@@ -92,7 +92,7 @@ class Jitted:
                 f"{self.name}: arguments {', '.join(bad)} are neither tensors nor Python scalars, so they are "
                 "treated as static values, which must be hashable. Convert them to tensors or make them hashable."
             ) from None
-        return key, leaves, treedef, static
+        return key, leaves, treedef, static, compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if VirtualWorld._installed and not in_rank_thread():
@@ -101,8 +101,7 @@ class Jitted:
                 return virtual_call(vmesh, self, args, kwargs)
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
-        key, leaves, treedef, static = self._key(args, kwargs)
-        compiled = self._cache.get(key)
+        key, leaves, treedef, static, compiled = self._key(args, kwargs)
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
             compiled = lowered.compile()
@@ -118,7 +117,7 @@ class Jitted:
                 return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
-        key, leaves, treedef, static = self._key(args, kwargs)
+        key, leaves, treedef, static, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
         if lowered is None:
             lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key)

@@ -51,10 +51,17 @@ def _donated_class(cls: type) -> type:
     return sub
 
 
+_BY_PROGRAM: dict[tuple[type, str], type] = {}
+
+
 def invalidate(t: torch.Tensor, where: str) -> None:
     """Mark `t` donated: it keeps no extra memory alive and raises on any use."""
-    t._pt3func_donated = where
-    t.__class__ = _donated_class(type(t))
+    # One subclass per (class, program) carries the program's name, so a call sets one attribute per tensor.
+    cls = _BY_PROGRAM.get((type(t), where))
+    if cls is None:
+        base = _donated_class(type(t))
+        cls = _BY_PROGRAM[(type(t), where)] = type(base.__name__, (base,), {"_pt3func_donated": where})
+    t.__class__ = cls
 
 
 def is_donated(t: Any) -> bool:
