@@ -89,7 +89,8 @@ def visualize_sharding(x: torch.Tensor, *, width: int = 100) -> str:
     for r in range(len(rows)):
         table.add_row(*("\n".join(cells.get((r, c), [])) for c in range(len(cols))))
     buffer = io.StringIO()
-    consoles = [Console(file=buffer, width=width, color_system=None)]
+    # force_jupyter=False: in a notebook rich would display this buffer console too (and leave it empty).
+    consoles = [Console(file=buffer, width=width, color_system=None, force_jupyter=False)]
     if not dist.is_initialized() or dist.get_rank() == 0:
         consoles.append(Console(width=width))
     for console in consoles:
