@@ -14,6 +14,7 @@ from pt3func import tree
 from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
+from pt3func.passes.overlap import sink_waits
 from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
@@ -254,6 +255,7 @@ class Jitted:
         donated_graph = [graph_in[i] for i in donated_leaves]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
         gm = apply_donation(gm, plan_g)
+        gm = sink_waits(gm)
         plan = type(plan_g)(
             aliases={tensor_out[j]: graph_input_leaves[i] for j, i in plan_g.aliases.items()},
             unused={graph_input_leaves[i]: why for i, why in plan_g.unused.items()},

@@ -81,6 +81,11 @@ def value_and_grad(
                     + (" (did you mean has_aux=True?)" if isinstance(value, tuple) else "")
                 )
             wrt = [p for p in prepared if _differentiable(p)]
+            for p in wrt:
+                if isinstance(p, DTensor):
+                    # Reduce each gradient the moment the backward produces it (as DDP's buckets do), so
+                    # its collective is issued while the rest of the backward still runs.
+                    p.register_hook(functools.partial(lower.reduce_gradient, like=p))
             with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"):
                 grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
         grads_iter = iter(grads)
