@@ -5,7 +5,7 @@ step (forward, backward, optimizer) into one static program, compiles it once pe
 with donated buffers updated in place.
 """
 
-from pt3func import optim, tree
+from pt3func import metrics, optim, tree
 from pt3func.config import config
 from pt3func.errors import (
     DataDependentControlFlowError,
@@ -45,6 +45,7 @@ __all__ = [
     "get_mesh",
     "lax",
     "make_mesh",
+    "metrics",
     "set_mesh",
     "shard_map",
     "sharding_of",

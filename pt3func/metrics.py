@@ -11,10 +11,12 @@ for a port. Only rank 0 of a torch.distributed world records; on other ranks eve
         with metrics.timed(i) as record:
             params, opt_state, out = step(params, opt_state, next(batches))
             record["loss"] = float(out["loss"])  # waits for the step, so its time is honest
+        if i % 100 == 0:
+            metrics.log(i, val_loss=evaluate(params))  # outside the timed block: not in the step time
         bar.set_postfix(metrics.postfix())
     metrics.close()
 
-Plot a run with `python benchmarks/plot_run.py runs/lm/metrics.jsonl -o run.png`.
+Plot a run with `python scripts/plot_run.py runs/lm/metrics.jsonl -o run.png`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ import torch.distributed as dist
 __all__ = ["RunMetrics", "from_lowered", "peak_memory_bytes"]
 
 JSONL_NAME = "metrics.jsonl"
+# Keys `step` may compute; a user scalar of the same name would be ambiguous in the files.
+_COMPUTED = frozenset({"step", "time", "step_time_s", "tokens_per_s", "flops_per_s", "mfu", "comm_bytes",
+                       "peak_mem_bytes"})
 
 
 def from_lowered(lowered: Any) -> dict[str, Any]:
@@ -113,7 +118,7 @@ class RunMetrics:
         else:
             self.comm_bytes_by_kind = {}
             self.comm_bytes_per_step = None if comm_bytes_per_step is None else int(comm_bytes_per_step)
-        self.last: dict[str, float] = {}
+        self.latest: dict[str, Any] = {}  # the newest value of every metric, from `step` and `log`
         self.prometheus_port: int | None = None
         self._clock = clock
         self._mark = clock()
@@ -155,8 +160,8 @@ class RunMetrics:
         yield scalars
         self.step(step, step_time_s=self._clock() - start, **scalars)
 
-    def step(self, step: int, *, step_time_s: float | None = None, **scalars: Any) -> dict[str, float]:
-        """Record step `step` with user `scalars` (loss, skipped steps, ...); returns the row written.
+    def step(self, step: int, *, step_time_s: float | None = None, **scalars: Any) -> dict[str, Any]:
+        """Record step `step` with user `scalars` (loss, skipped steps, ...); returns the row (empty off rank 0).
 
         The step time is `step_time_s` when given (as `timed` does), else the wall clock since the previous
         call (or construction, or `reset_clock`) divided by the steps since then, so logging every N steps works.
@@ -183,26 +188,38 @@ class RunMetrics:
         peak = peak_memory_bytes()
         if peak is not None:
             row["peak_mem_bytes"] = peak
-        for key, value in scalars.items():
-            if key in row:
-                raise ValueError(f"RunMetrics.step: scalar {key!r} clashes with a metric it computes; rename it")
-            row[key] = _to_float(key, value)
-            if key not in self._user_keys:
-                self._user_keys.append(key)
+        self._add_scalars(row, scalars)
         self._recent.append(step_time_s)
-        self.last = row
         self._write(row)
         return row
 
+    def log(self, step: int, **scalars: Any) -> dict[str, Any]:
+        """Record more scalars for step `step` (a validation loss after it) without timing anything."""
+        if not self.active:
+            return {}
+        row: dict[str, Any] = {"step": int(step), "time": time.time()}
+        self._add_scalars(row, scalars)
+        self._write(row)
+        return row
+
+    def _add_scalars(self, row: dict[str, Any], scalars: dict[str, Any]) -> None:
+        for key, value in scalars.items():
+            if key in row or key in _COMPUTED:
+                raise ValueError(f"RunMetrics: scalar {key!r} clashes with a metric it computes; rename it")
+            row[key] = _to_float(key, value)
+            if key not in self._user_keys:
+                self._user_keys.append(key)
+        self.latest.update(row)
+
     def postfix(self, *keys: str) -> dict[str, str]:
         """A short summary for a progress bar (`tqdm.set_postfix(metrics.postfix())`): the user scalars (or
-        `keys`), tokens/s and MFU over the median recent step time, and peak memory."""
-        if not self.active or not self.last:
+        `keys`, each its newest value), tokens/s and MFU over the median recent step time, and peak memory."""
+        if not self.active or not self._recent:
             return {}
         out = {}
         for key in keys or self._user_keys:
-            if key in self.last:
-                out[key] = _short(self.last[key])
+            if key in self.latest:
+                out[key] = _short(self.latest[key])
         step_s = statistics.median(self._recent)
         if self.tokens_per_step is not None and step_s > 0:
             out["tok/s"] = _short(self.tokens_per_step / step_s)
@@ -210,8 +227,8 @@ class RunMetrics:
             out["mfu"] = f"{self.flops_per_step / step_s / self.peak_flops:.1%}"
         if "tok/s" not in out:
             out["step"] = f"{step_s * 1e3:.0f}ms" if step_s < 10 else f"{step_s:.1f}s"
-        if "peak_mem_bytes" in self.last:
-            out["mem"] = f"{self.last['peak_mem_bytes'] / 2**30:.2f}G"
+        if "peak_mem_bytes" in self.latest:
+            out["mem"] = f"{self.latest['peak_mem_bytes'] / 2**30:.2f}G"
         return out
 
     def close(self) -> None:
