@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/char_lm.py
+	$(PY) examples/char_lm.py --mesh 2x2 --virtual
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import pt3func as pf
 from pt3func import P
@@ -131,7 +131,7 @@ def _attention(x: torch.Tensor, p: Params, config: GPTConfig, train: bool) -> to
         y = _plain_attention(q, k, v, dropout_p)
     else:
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return _linear(rearrange(y, "b h t d -> b t (h d)"), p["proj"]["weight"], config)
+    return _sum_partials(_linear(rearrange(y, "b h t d -> b t (h d)"), p["proj"]["weight"], config))
 
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -150,7 +150,18 @@ def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 
 def _mlp(x: torch.Tensor, p: Params, config: GPTConfig) -> torch.Tensor:
-    return _linear(F.gelu(_linear(x, p["fc"]["weight"], config), approximate="tanh"), p["proj"]["weight"], config)
+    h = F.gelu(_linear(x, p["fc"]["weight"], config), approximate="tanh")
+    return _sum_partials(_linear(h, p["proj"]["weight"], config))
+
+
+def _sum_partials(y: torch.Tensor) -> torch.Tensor:
+    """All-reduce a row-parallel projection's partial sums here, once per block (Megatron's layout).
+
+    Left to DTensor, the residual add would reduce-scatter them and the next block all-gather again.
+    """
+    if not isinstance(y, DTensor) or not any(isinstance(p, Partial) for p in y.placements):
+        return y
+    return y.redistribute(y.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in y.placements])
 
 
 def forward(params: Params, idx: torch.Tensor, config: GPTConfig, train: bool = False) -> torch.Tensor:
