@@ -57,6 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     add("--mesh", default=None, help="DPxTP (e.g. 2x2) or DP (e.g. 4) ranks; default: one device, no mesh")
     add("--virtual", action="store_true", help="simulate the mesh's ranks as threads of this process")
+    add("--log-dir", default=None, help="write metrics.jsonl and TensorBoard events here (plot: scripts/plot_run.py)")
+    add("--peak-tflops", type=float, default=None, help="the device's peak TFLOP/s, for MFU in the metrics")
     add(
         "--backend",
         choices=("auto", "inductor", "eager"),
@@ -202,6 +204,7 @@ def train(
     train_batches: Iterator[Batch],
     val_batches: Sequence[Batch],
     show: bool = True,
+    run_metrics: pf.metrics.RunMetrics | None = None,
 ) -> tuple[gpt.Params, Any, dict[str, Any]]:
     """Run `args.steps` steps with a progress bar (when `show`); returns the final params, state and statistics."""
     tokens_per_step = args.batch * args.seq
@@ -220,9 +223,13 @@ def train(
             timed_seconds += time.perf_counter() - start
             timed_steps += 1
         tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_steps else float("nan")
+        if run_metrics is not None:
+            run_metrics.step(i, step_time_s=time.perf_counter() - start, loss=losses[-1])
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if i % args.eval_interval == 0 and i != args.steps:
             val_loss = evaluate(eval_step, params, val_batches)  # on every rank: it is collective
+            if run_metrics is not None:
+                run_metrics.log(i, val_loss=val_loss)
             if show:
                 bar.write(f"step {i:5d}  train loss {losses[-1]:.3f}  val loss {val_loss:.3f}")
     bar.close()
@@ -282,17 +289,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         val_stream = chardata.batches(dataset.val, args.batch, args.seq, seed=args.seed + 1)
         val_batches = [next(val_stream) for _ in range(args.eval_batches)]
 
-        lower_s = 0.0
+        # Lowering traces the step (the first call reuses it): look at the program before running it, and
+        # take its FLOPs and communication volume for the run metrics.
+        first = next(train_batches)
+        train_batches = itertools.chain([first], train_batches)
+        start = time.perf_counter()
+        lowered = step.lower(params, opt_state, first)
+        lower_s = time.perf_counter() - start
         if mesh is not None:
-            # Lowering traces the step (the first call reuses it): look at the program before running it.
-            first = next(train_batches)
-            train_batches = itertools.chain([first], train_batches)
-            start = time.perf_counter()
-            lowered = step.lower(params, opt_state, first)
-            lower_s = time.perf_counter() - start
             say(collective_summary(lowered))
+        run_metrics = pf.metrics.RunMetrics(
+            args.log_dir,
+            **pf.metrics.from_lowered(lowered),
+            tokens_per_step=args.batch * args.seq,
+            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        )
 
-        params, opt_state, stats = train(args, step, eval_step, params, opt_state, train_batches, val_batches, show)
+        params, opt_state, stats = train(
+            args, step, eval_step, params, opt_state, train_batches, val_batches, show, run_metrics
+        )
+        run_metrics.close()
         val_loss = evaluate(eval_step, params, val_batches)
         # Sampling is a short eager loop over growing contexts: one device with the full params does it.
         full_params = pf.device_get(params)
