@@ -56,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--eval-batches", type=int, default=4, help="validation batches at the end")
     add("--backend", choices=("inductor", "eager"), default="inductor", help="how pf.jit runs the step")
     add("--max-bytes", type=int, default=1_000_000, help="bytes of stdlib source to read")
+    add("--log-dir", default=None, help="write metrics.jsonl and TensorBoard events here (rank 0)")
+    add("--peak-tflops", type=float, default=None, help="one device's peak TFLOP/s, for MFU")
     return parser.parse_args(argv)
 
 
@@ -136,14 +138,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"backend {args.backend}")
 
         batch = to_device(next(train_batches))
-        say(collective_summary(step.lower(params, opt_state, batch)))
+        lowered = step.lower(params, opt_state, batch)
+        say(collective_summary(lowered))
+        # Every rank calls it; only rank 0 writes. FLOPs and bytes on the wire come from the program itself.
+        run_metrics = pf.metrics.RunMetrics(
+            args.log_dir,
+            **pf.metrics.from_lowered(lowered),
+            tokens_per_step=args.batch * args.seq,
+            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        )
         losses = []
         for i in range(1, args.steps + 1):
-            params, opt_state, metrics = step(params, opt_state, batch)
-            losses.append(float(pf.device_get(metrics["loss"])))
+            with run_metrics.timed(i) as record:
+                params, opt_state, metrics = step(params, opt_state, batch)
+                losses.append(float(pf.device_get(metrics["loss"])))  # on every rank: device_get can be collective
+                record["loss"] = losses[-1]
             if i % args.log_interval == 0 or i in (1, args.steps):
-                say(f"step {i:5d}  loss {losses[-1]:.6f}")
+                rates = "  ".join(f"{k} {v}" for k, v in run_metrics.postfix().items() if k != "loss")
+                say(f"step {i:5d}  loss {losses[-1]:.6f}  {rates}")
             batch = to_device(next(train_batches))
+        run_metrics.close()
         val_loss = sum(float(pf.device_get(eval_step(params, to_device(b)))) for b in val_batches) / len(val_batches)
 
     verdict = "beats" if val_loss < baseline else "does NOT beat"
