@@ -31,7 +31,7 @@ def pt3func(*args: str, env: dict[str, str] | None = None, timeout: float = 240)
 
 def losses(out: str) -> tuple[list[float], float]:
     """The logged losses and the final train loss printed by train_lm_sharded.py."""
-    logged = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)$", out, flags=re.M)]
+    logged = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", out, flags=re.M)]
     final = re.search(r"^final train loss (\S+)", out, flags=re.M)
     assert final, out
     return logged, float(final.group(1))
