@@ -5,7 +5,7 @@ step (forward, backward, optimizer) into one static program, compiles it once pe
 with donated buffers updated in place.
 """
 
-from pt3func import metrics, optim, tree
+from pt3func import checkpointing, metrics, optim, tree
 from pt3func.config import config
 from pt3func.errors import (
     DataDependentControlFlowError,
@@ -59,6 +59,7 @@ __all__ = [
     "Lowered",
     "ShardingError",
     "TracingError",
+    "checkpointing",
     "config",
     "functionalize",
     "grad",

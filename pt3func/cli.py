@@ -145,6 +145,9 @@ def run(argv: Sequence[str]) -> int:
     # Processes sharing the CPU would each start one OpenMP thread per core and fight over them.
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         os.environ["OMP_NUM_THREADS"] = "1"
+    # With the rendezvous store shared into the workers (torchrun's default), a job restarted by --max-restarts
+    # reads the dead workers' addresses and its process group cannot connect (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun_main(args)
     except ChildFailedError as e:

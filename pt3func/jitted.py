@@ -255,10 +255,7 @@ class Jitted:
         donated_graph = [graph_in[i] for i in donated_leaves]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
         gm = apply_donation(gm, plan_g)
-        if not in_rank_thread():
-            # A virtual mesh's threaded collectives complete when issued: nothing to overlap, and its process
-            # group is not safe with several collectives in flight.
-            gm = sink_waits(gm)
+        gm = sink_waits(gm)
         plan = type(plan_g)(
             aliases={tensor_out[j]: graph_input_leaves[i] for j, i in plan_g.aliases.items()},
             unused={graph_input_leaves[i]: why for i, why in plan_g.unused.items()},

@@ -69,7 +69,7 @@ def describe_leaf(leaf: Any) -> dict[str, Any]:
     if isinstance(leaf, DTensor):
         mesh = leaf.device_mesh
         info["mesh"] = {"shape": list(mesh.mesh.shape), "axes": list(mesh.mesh_dim_names or ())}
-        info["placements"] = [str(p) for p in leaf.placements]
+        info["placements"] = [repr(p) for p in leaf.placements]
     return info
 
 

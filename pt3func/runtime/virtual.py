@@ -209,8 +209,22 @@ def _is_leaf(x: Any) -> bool:
 
 
 def scatter_tree(tree_: Any, rank: int) -> Any:
-    """Rank `rank`'s view of a tree: each VirtualArray replaced by that rank's DTensor."""
-    return tree.map(lambda x: x.locals[rank] if isinstance(x, VirtualArray) else x, tree_, is_leaf=_is_leaf)
+    """Rank `rank`'s view of a tree: each VirtualArray replaced by that rank's DTensor, and each plain tensor
+    by a copy of its own.
+
+    The copy matters: ranks of a real world never share memory, but threads would. A replicated shard built
+    from one shared tensor would be one buffer for every rank, and a donated step writing its new values
+    into it would race with the ranks still reading the old ones.
+    """
+
+    def local(x: Any) -> Any:
+        if isinstance(x, VirtualArray):
+            return x.locals[rank]
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        return x
+
+    return tree.map(local, tree_, is_leaf=_is_leaf)
 
 
 def gather_trees(mesh: VirtualMesh, per_rank: list[Any]) -> Any:

@@ -1,0 +1,251 @@
+"""`CheckpointManager`: asynchronous, atomic, resharding checkpoints of any pytree, on torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pt3func.checkpointing import keys
+from pt3func.checkpointing import manifest as mf
+from pt3func.checkpointing.errors import CheckpointError
+from pt3func.tree import NAMESPACE, PyTree
+
+# DCP warns on every single-process save and load; saving without a process group is what we mean there.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming",
+                        category=UserWarning)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class CheckpointManager:
+    """Numbered checkpoints of a pytree in `directory/step_N/`, written by DCP, committed atomically.
+
+    `save(step, tree)` writes every tensor leaf (plain or DTensor: each rank writes its own shards) with
+    `torch.distributed.checkpoint`; other leaves (ints, floats, strings) go into the step's `manifest.json`,
+    anything else into DCP's object storage. With `async_save=True` a save copies the tensors to memory and
+    returns; the write, the checksums and the commit run in a background thread, so training goes on
+    (call `wait()` before exiting). One save is in flight at a time: the next `save` first waits for it.
+    `max_to_keep` committed steps are kept (None: all).
+
+    Save, restore and wait are collective on a multi-rank job (every rank calls them, in the same order);
+    they use a process group of their own, so a background write never interleaves with training's
+    collectives. `directory` must be one directory all ranks see (rank 0 commits).
+
+    `before_commit(step, tmp_dir)`, if given, runs on rank 0 after every rank's data is written and before
+    the manifest and the rename: a hook for fault drills (kill the process there) and tests.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, async_save: bool = True, *,
+                 before_commit: Callable[[int, Path], None] | None = None) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 (or None to keep every step), got {max_to_keep}")
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self._before_commit = before_commit
+        self._group: dist.ProcessGroup | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pt3func-checkpoint")
+        self._pending: tuple[int, Future] | None = None
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
+                f"async_save={self.async_save})")
+
+    # -- queries (local: no collective) --
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, ascending (unfinished or crashed saves are not among them)."""
+        return mf.committed_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- save --
+
+    def save(self, step: int, tree: PyTree) -> None:
+        """Checkpoint `tree` as `step`; returns once the tensors are copied (async) or committed (sync)."""
+        self.wait()
+        flat, structure = keys.flatten(tree)
+        world = dist.get_world_size() if _distributed() else 1
+        manifest = mf.new_manifest(int(step), structure, flat, world)
+        state_dict = {key: _unshared_scalar(leaf) for key, leaf in flat.items() if key not in manifest["values"]}
+        if self._rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in mf.tmp_dirs(self.directory):  # left by a crash: no save is in flight now
+                mf.remove(stale)
+        token = self._broadcast(uuid.uuid4().hex if self._rank() == 0 else None)  # one temp dir for all ranks
+        tmp = self.directory / f"step_{step}{mf.TMP_MARK}{token}"
+        options: dict[str, Any] = {"storage_writer": dcp.FileSystemWriter(tmp), "process_group": self._ckpt_group(),
+                                   "no_dist": not _distributed()}
+        if self.async_save:
+            written = dcp.async_save(state_dict, **options)
+            self._pending = (int(step), self._executor.submit(self._commit, written, tmp, manifest))
+        else:
+            done: Future = Future()
+            try:
+                dcp.save(state_dict, **options)
+                self._commit(None, tmp, manifest)
+                done.set_result(None)
+            except Exception as e:  # raised by wait(), the same way on every rank
+                done.set_exception(e)
+            self._pending = (int(step), done)
+            self.wait()
+
+    def _commit(self, written: Future | None, tmp: Path, manifest: dict[str, Any]) -> None:
+        """Runs once this rank's write finished; on rank 0 (whose write finishes last: DCP gathers every
+        rank's results there before writing its metadata) checksum, write the manifest, rename, prune."""
+        if written is not None:
+            written.result()
+        if self._rank() != 0:
+            return
+        step = manifest["step"]
+        if self._before_commit is not None:
+            self._before_commit(step, tmp)
+        mf.write_manifest(tmp, manifest)
+        mf.commit(tmp, mf.step_dir(self.directory, step))
+        if self.max_to_keep is not None:
+            for old in self.all_steps()[:-self.max_to_keep]:
+                mf.remove(mf.step_dir(self.directory, old))
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed on every rank; raise CheckpointError if it failed."""
+        if self._pending is None:
+            return
+        step, pending = self._pending
+        self._pending = None
+        try:
+            pending.result()
+            error = None
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = f"rank {self._rank()}: {type(e).__name__}: {e}"
+        errors = [error]
+        if _distributed():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error, group=self._ckpt_group())
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise CheckpointError(f"saving step {step} into {self.directory} failed ({'; '.join(failed)}); the "
+                                  f"previous checkpoint ({self.latest_step()}) is untouched")
+
+    # -- restore --
+
+    def restore(self, step: int | None = None, target: PyTree = None, *, fallback: bool = False,
+                verify: bool = True) -> PyTree:
+        """Load a committed step (default: the latest) as a pytree.
+
+        With `target`, the result has the target's structure and each tensor the target leaf's layout:
+        a DTensor leaf gives a DTensor of its mesh and placements (DCP reshards from whatever layout and
+        world size wrote it), a plain tensor gives the full value (on every rank). Only the target's keys
+        are read, so a target may be a part of the saved tree. Without `target`, the saved structure comes
+        back (namedtuples by their class, when it still imports) with every tensor full and plain on CPU.
+
+        `verify` checks every file against the manifest's checksums first (CheckpointError naming the
+        file); with `fallback` and `step=None`, a step that fails is skipped with a warning for the one
+        before it. Collective on a multi-rank job.
+        """
+        self.wait()
+        choice = self._broadcast(self._choose(step, fallback, verify) if self._rank() == 0 else None)
+        if isinstance(choice, str):
+            raise CheckpointError(choice)
+        chosen, manifest = choice
+        directory = mf.step_dir(self.directory, chosen)
+        tensors, values = manifest["tensors"], manifest["values"]
+        if target is None:
+            wanted = list(tensors) + list(manifest["objects"])
+            state_dict = {key: _empty(tensors[key]) if key in tensors else None for key in wanted}
+        else:
+            wanted, spec = keys.keys_and_spec(target)
+            state_dict = {key: self._target_slot(key, leaf, manifest, directory)
+                          for key, leaf in zip(wanted, optree.tree_leaves(target, none_is_leaf=False,
+                                                                          namespace=NAMESPACE))
+                          if key not in values}
+        try:
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(directory), process_group=self._ckpt_group(),
+                     no_dist=not _distributed())
+        except Exception as e:
+            raise CheckpointError(f"loading {directory} failed: {type(e).__name__}: {e}") from e
+        loaded = {**values, **state_dict}
+        if target is None:
+            return keys.unflatten(manifest["structure"], loaded)
+        return optree.tree_unflatten(spec, [loaded[key] for key in wanted])
+
+    @staticmethod
+    def _target_slot(key: str, leaf: Any, manifest: dict[str, Any], directory: Path) -> Any:
+        """What DCP loads `key` into: a tensor laid out like the target leaf, or a placeholder for an object."""
+        if key in manifest["objects"]:
+            return None
+        info = manifest["tensors"].get(key)
+        if info is None:
+            held = ", ".join(sorted(manifest["tensors"]) + sorted(manifest["values"]))
+            raise CheckpointError(f"the target's leaf {key!r} is not in checkpoint {directory} (it holds: {held})")
+        if not isinstance(leaf, torch.Tensor):
+            return _empty(info)
+        if list(leaf.shape) != info["shape"]:
+            raise CheckpointError(f"the target's leaf {key!r} has shape {tuple(leaf.shape)} but checkpoint "
+                                  f"{directory} saved {tuple(info['shape'])}")
+        return torch.empty_like(leaf)  # a DTensor stays a DTensor of the same mesh and placements
+
+    def _choose(self, step: int | None, fallback: bool, verify: bool) -> tuple[int, dict[str, Any]] | str:
+        """Rank 0's pick of the step to load and its manifest, or the message of why there is none."""
+        steps = self.all_steps()
+        if step is not None and step not in steps:
+            return f"no committed checkpoint for step {step} in {self.directory} (committed: {steps})"
+        candidates = [step] if step is not None else steps[::-1]
+        if not candidates:
+            return f"no committed checkpoint in {self.directory}"
+        for candidate in candidates:
+            directory = mf.step_dir(self.directory, candidate)
+            try:
+                manifest = mf.read_manifest(directory)
+                if verify:
+                    mf.verify(directory, manifest)
+                return candidate, manifest
+            except CheckpointError as e:
+                if step is not None or not fallback:
+                    return str(e)
+                warnings.warn(f"skipping checkpoint step {candidate}: {e}", stacklevel=3)
+        return f"no loadable checkpoint in {self.directory}: every committed step failed its checks"
+
+    # -- process group --
+
+    def _rank(self) -> int:
+        return dist.get_rank() if _distributed() else 0
+
+    def _ckpt_group(self) -> dist.ProcessGroup | None:
+        # A gloo group of our own: DCP's background thread runs collectives on it while the training thread
+        # runs its own on the default group; sharing one group would interleave them differently per rank.
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not _distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._ckpt_group())
+        return box[0]
+
+
+def _unshared_scalar(leaf: Any) -> Any:
+    # DCP's stager copies every tensor but the 0-d ones, which reach the background writer as they are
+    # (torch 2.13, `_state_dict_utils`): a donated step would overwrite them mid-write. Copy them here.
+    return leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.ndim == 0 else leaf
+
+
+def _empty(info: dict[str, Any]) -> torch.Tensor:
+    return torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
