@@ -59,7 +59,7 @@ def _resolve(sharding: Sharding, path: tuple) -> tuple[Mesh, PartitionSpec] | No
     return mesh, sharding if sharding is not None else PartitionSpec()
 
 
-def _put_leaf(x: Any, sharding: Sharding, path: tuple, src_data_rank: int | None) -> Any:
+def put_leaf(x: Any, sharding: Sharding, path: tuple, src_data_rank: int | None) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     resolved = _resolve(sharding, path)
@@ -89,7 +89,7 @@ def device_put(tree: PyTree, shardings: PyTree = None) -> PyTree:
 
         return virtual.device_put(vmesh, tree, shardings)
     paths, leaves, per_leaf, treedef = broadcast_shardings(tree, shardings)
-    out = [_put_leaf(x, s, path, src_data_rank=0) for path, x, s in zip(paths, leaves, per_leaf)]
+    out = [put_leaf(x, s, path, src_data_rank=0) for path, x, s in zip(paths, leaves, per_leaf)]
     return optree.tree_unflatten(treedef, out)
 
 
@@ -119,6 +119,6 @@ def with_sharding_constraint(tree: PyTree, shardings: PyTree) -> PyTree:
     as the same full value on every rank and split locally, with no communication; None leaves a leaf as is.
     """
     paths, leaves, per_leaf, treedef = broadcast_shardings(tree, shardings)
-    out = [x if s is None else _put_leaf(x, s, path, src_data_rank=None)
+    out = [x if s is None else put_leaf(x, s, path, src_data_rank=None)
            for path, x, s in zip(paths, leaves, per_leaf)]
     return optree.tree_unflatten(treedef, out)

@@ -205,7 +205,7 @@ def apply_in_shardings(
     invalidates the caller's tensors.
     """
     from pt3func.errors import ShardingError
-    from pt3func.sharding.put import broadcast_shardings, device_put
+    from pt3func.sharding.put import broadcast_shardings, put_leaf
     from pt3func.tree import keystr, unflatten
 
     shardings = in_shardings if isinstance(in_shardings, (tuple, list)) else (in_shardings,)
@@ -224,7 +224,9 @@ def apply_in_shardings(
                 placed.append(leaf)
                 continue
             try:
-                put = leaf if _already_placed(leaf, s, path) else device_put(leaf, s)
+                # A plain tensor is the global value every rank holds (as a host array in multi-controller
+                # JAX): each rank keeps its own block, no communication per call.
+                put = leaf if _already_placed(leaf, s, path) else put_leaf(leaf, s, path, src_data_rank=None)
             except ShardingError as exc:
                 label = labels[i] if labels and i < len(labels) else f"args[{i}]"
                 raise ShardingError(f"in_shardings of {label}{keystr(path)}: {exc}") from None
