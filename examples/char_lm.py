@@ -223,9 +223,11 @@ def train(
             timed_seconds += time.perf_counter() - start
             timed_steps += 1
         tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_steps else float("nan")
-        if run_metrics is not None:
+        if run_metrics is not None and i > 1:  # the first call compiles: not a step time
             run_metrics.step(i, step_time_s=time.perf_counter() - start, loss=losses[-1])
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            bar.set_postfix(run_metrics.postfix())  # loss, tokens/s, MFU (with --peak-tflops), comm, memory
+        else:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if i % args.eval_interval == 0 and i != args.steps:
             val_loss = evaluate(eval_step, params, val_batches)  # on every rank: it is collective
             if run_metrics is not None:

@@ -213,7 +213,8 @@ class RunMetrics:
 
     def postfix(self, *keys: str) -> dict[str, str]:
         """A short summary for a progress bar (`tqdm.set_postfix(metrics.postfix())`): the user scalars (or
-        `keys`, each its newest value), tokens/s and MFU over the median recent step time, and peak memory."""
+        `keys`, each its newest value), tokens/s and MFU over the median recent step time, communication per
+        step and peak memory."""
         if not self.active or not self._recent:
             return {}
         out = {}
@@ -227,6 +228,8 @@ class RunMetrics:
             out["mfu"] = f"{self.flops_per_step / step_s / self.peak_flops:.1%}"
         if "tok/s" not in out:
             out["step"] = f"{step_s * 1e3:.0f}ms" if step_s < 10 else f"{step_s:.1f}s"
+        if self.comm_bytes_per_step:
+            out["comm"] = f"{self.comm_bytes_per_step / 2**20:.1f}MiB"
         if "peak_mem_bytes" in self.latest:
             out["mem"] = f"{self.latest['peak_mem_bytes'] / 2**30:.2f}G"
         return out
