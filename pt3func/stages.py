@@ -193,7 +193,7 @@ class Compiled:
         for j, gi in self._aliased_input_of.items():
             out_leaves[j] = inputs[gi].detach()
         for j, meta in p.dtensor_out.items():
-            out_leaves[j] = meta.wrap(out_leaves[j])
+            out_leaves[j] = meta.rebuild(out_leaves[j])
         for i in self._invalidate:
             invalidate(leaves[i], self._where)
         return tree.unflatten(p.out_treedef, out_leaves)

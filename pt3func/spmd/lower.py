@@ -28,6 +28,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from pt3func import analysis
+from pt3func._compat import dtensor_from_local
 from pt3func.trace.source import node_location
 
 _CONTEXT: contextvars.ContextVar[LoweringContext | None] = contextvars.ContextVar("pt3func_lowering", default=None)
@@ -47,9 +48,14 @@ class DTensorMeta:
         return cls(x.device_mesh, tuple(x.placements), x.shape, tuple(x.stride()))
 
     def wrap(self, local: torch.Tensor) -> DTensor:
+        """Inside a trace: a differentiable wrap that make_fx records."""
         return DTensor.from_local(
             local, self.device_mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
+
+    def rebuild(self, local: torch.Tensor) -> DTensor:
+        """At run time, around a compiled program's output: the same DTensor, built cheaply."""
+        return dtensor_from_local(local, self.device_mesh, self.placements, self.shape, self.stride)
 
 
 class LoweringContext:
