@@ -81,6 +81,9 @@ def lowering() -> Iterator[LoweringContext]:
 
 
 def current() -> LoweringContext | None:
+    # Under torch.compile (Dynamo) there is no pt3func lowering, and Dynamo cannot trace ContextVar.get.
+    if torch.compiler.is_compiling():
+        return None
     return _CONTEXT.get()
 
 
