@@ -209,3 +209,46 @@ def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> d
         "aliased_bytes": aliased_bytes,
         "temp_bytes": temp_bytes,
     }
+
+
+# Ops that read only their input's shape and dtype: a backward use by them keeps no value alive.
+_METADATA_ONLY = {
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.full_like.default,
+}
+
+
+def _in_backward(node: fx.Node) -> bool:
+    why = (node.meta.get("custom") or {}).get("pt3func", "")
+    return why.startswith(("backward of", "grad of"))
+
+
+def saved_activations(gm: fx.GraphModule, input_names: Sequence[str]) -> list[dict[str, Any]]:
+    """Values the forward computes (or receives) that the backward reads, like JAX's `print_saved_residuals`.
+
+    A node counts as backward when it was recorded inside `pf.grad` / `pf.value_and_grad`'s
+    `torch.autograd.grad` call; every forward value with a backward user is kept alive until then.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = dict(zip(placeholders, input_names))
+    rows: dict[fx.Node, dict[str, Any]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function") or _in_backward(node):
+            continue
+        if not any(_in_backward(user) and user.target not in _METADATA_ONLY for user in node.users):
+            continue
+        # Autograd saves views (detach) of forward values: report the value that owns the memory, once.
+        owner = _owner(node)
+        if owner in rows:
+            continue
+        val = owner.meta.get("val")
+        rows[owner] = {
+            "name": owner.name,
+            "type": type_str(val),
+            "bytes": nbytes(val),
+            "what": f"argument {names[owner]}" if owner.op == "placeholder" else op_name(owner.target),
+            "where": node_location(owner),
+        }
+    return list(rows.values())

@@ -255,7 +255,10 @@ class Jitted:
         donated_graph = [graph_in[i] for i in donated_leaves]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
         gm = apply_donation(gm, plan_g)
-        gm = sink_waits(gm)
+        if self.backend == "inductor":
+            # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
+            # after its last use in the graph, which may be while a sunk collective still reads it.
+            gm = sink_waits(gm)
         plan = type(plan_g)(
             aliases={tensor_out[j]: graph_input_leaves[i] for j, i in plan_g.aliases.items()},
             unused={graph_input_leaves[i]: why for i, why in plan_g.unused.items()},

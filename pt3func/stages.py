@@ -88,6 +88,11 @@ class Lowered:
         aliased = [gi for gi, leaf in enumerate(p.graph_input_leaves) if leaf in p.donation.donated_inputs]
         return analysis.memory_analysis(p.graph_module, aliased)
 
+    def saved_activations(self) -> list[dict[str, Any]]:
+        """What the forward keeps for the backward: name, type, bytes, the op (or argument) and source line."""
+        p = self._program
+        return analysis.saved_activations(p.graph_module, p.graph_input_labels())
+
     def donation_report(self) -> list[dict[str, Any]]:
         """One row per donated leaf: its label, whether its buffer is reused, for which output, or why not."""
         p = self._program

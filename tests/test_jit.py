@@ -389,3 +389,19 @@ def test_no_warning_for_fully_used_donation():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(params, batch, 0.1)
+
+
+def test_saved_activations_lists_what_the_backward_reads():
+    def loss_fn(w, x):
+        h = torch.tanh(x @ w)  # saved for tanh's backward
+        return h.sum()
+
+    def step(w, x):
+        return pf.grad(loss_fn)(w, x)
+
+    rows = pf.jit(step, backend="eager").lower(torch.randn(4, 3), torch.randn(2, 4)).saved_activations()
+    by_what = {row["what"]: row for row in rows}
+    assert by_what["aten.tanh"]["type"] == "f32[2, 3]" and by_what["aten.tanh"]["bytes"] == 2 * 3 * 4
+    assert "test_jit.py" in by_what["aten.tanh"]["where"]
+    assert "argument x" in by_what  # the matmul's weight gradient needs the input
+    assert all(row["what"] != "aten.sum" for row in rows)

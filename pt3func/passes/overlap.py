@@ -5,6 +5,9 @@ collective (that is where DTensor hands the value on), which serialises communic
 `sink_waits` moves every wait to just before the first op that reads its result, so the collective is in
 flight while the ops between them run (gradient all-reduces behind the rest of the backward, FSDP
 all-gathers behind the forward of earlier layers). Data dependencies are unchanged.
+
+Only for programs a compiler (Inductor) runs: it keeps a collective's buffers alive until the wait. Run op by op,
+Python would free an input after its last use while the collective may still read it.
 """
 
 from __future__ import annotations
