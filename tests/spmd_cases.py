@@ -95,6 +95,7 @@ def run_case(name: str, backend: str = "eager", virtual: bool = False) -> dict:
         local_sizes = {k: _local_numel(v) for k, v in _flat(params).items()}
         data = batches()
         lowered = step.lower(params, opt_state, data[0])
+        buffers_before = _local_buffers(params)
         for batch in data:
             params, opt_state, loss = step(params, opt_state, batch)
             losses.append(float(pf.device_get(loss)))
@@ -107,7 +108,18 @@ def run_case(name: str, backend: str = "eager", virtual: bool = False) -> dict:
             "text": lowered.as_text(),
             "comm_bytes": lowered.cost_analysis()["comm_bytes"],
             "trace_count": step.trace_count(),
+            # Donated shards are updated in place: the new params live in the old local buffers.
+            "params_in_place": buffers_before is not None and buffers_before == _local_buffers(params),
+            "donation_report": lowered.donation_report(),
         }
+
+
+def _local_buffers(tree) -> list[int] | None:
+    """The data pointers of this rank's shards (None on a virtual mesh, whose shards live in rank threads)."""
+    leaves = pf.tree.leaves(tree)
+    if any(hasattr(leaf, "locals") for leaf in leaves):
+        return None
+    return [leaf._local_tensor.data_ptr() for leaf in leaves]
 
 
 def _flat(tree) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -126,6 +127,12 @@ def errors() -> dict:
             pf.jit(step, in_shardings=({"w": P(None, "dp")},), backend="eager")({"w": torch.ones(8, 6)})
         except pf.ShardingError as e:
             messages["divisible"] = str(e)
+        # A donated shard whose only output comes back replicated cannot be reused: reported, not silent.
+        sharded = pf.device_put(torch.ones(8, 4), P("dp"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pf.jit(lambda a: {"x": a * 2}, donate_argnums=0, out_shardings={"x": P()}, backend="eager")(sharded)
+        messages["unused_donation"] = "\n".join(str(w.message) for w in caught)
     return messages
 
 

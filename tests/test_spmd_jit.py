@@ -103,3 +103,18 @@ def test_rank_results_agree(four_rank_results):
         for other in four_rank_results[1:]:
             for a, b in zip(spmd_cases.pf.tree.leaves(first), spmd_cases.pf.tree.leaves(other[name]["params"])):
                 assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp", "tp", "fsdp_tp"])
+def test_sharded_donation_updates_local_shards_in_place(four_rank_results, name):
+    r = four_rank_results[0][name]
+    assert r["params_in_place"], "the new params do not live in the donated buffers"
+    report = r["donation_report"]
+    assert report and all(row["aliased"] for row in report), report
+    assert {row["input"] for row in report} >= {"params['fc1']['w']", "params['fc2']['w']"}
+
+
+def test_zero1_donation_reuses_every_buffer(four_rank_results):
+    # Params replicated, optimizer state sharded: each donated leaf still finds its own output.
+    report = four_rank_results[0]["zero1"]["donation_report"]
+    assert all(row["aliased"] for row in report), report

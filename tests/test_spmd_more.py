@@ -49,3 +49,8 @@ def test_sharding_errors_name_the_culprit(results):
     assert "donated input params['w']" in m["donation"] and "Shard(dim=0)" in m["donation"]
     assert "in_shardings of params['w']" in m["divisible"] and "dim 1 of shape (8, 6)" in m["divisible"]
     assert "axis size 4" in m["divisible"] and "P(None, 'dp')" in m["divisible"]
+
+
+def test_unusable_sharded_donation_is_reported_with_its_placements(results):
+    message = results[0]["errors"]["unused_donation"]
+    assert "cannot be reused" in message and "placements (Shard(dim=0),)" in message, message
