@@ -28,7 +28,7 @@ class Program:
     treedef: Any  # of (dynamic args, dynamic kwargs)
     static: tuple
     input_labels: list[str]  # per call leaf
-    input_leaf_kind: list[str]  # per call leaf: "tensor" | "scalar" | "static"
+    input_leaf_kind: list[str]  # per call leaf: "tensor" | "dtensor" | "scalar" | "static"
     scalar_dtypes: dict[int, torch.dtype]  # call leaf index -> dtype it is traced as
     graph_input_leaves: list[int]  # call leaf index of each graph input
     out_treedef: Any

@@ -83,16 +83,6 @@ class ArgSpec:
         return str(where)
 
 
-@dataclass
-class CallLayout:
-    """A call split into static values and a flat list of traced leaves."""
-
-    leaves: list[Any]
-    treedef: tree.TreeSpec
-    static: tuple[Any, ...]
-    arg_of_leaf: list[Any]  # positional index or keyword name each leaf came from (built lazily on trace)
-
-
 def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any, tuple]:
     """Return `(leaves, treedef, static)` for a call; `static` is hashable and part of the cache key."""
     if spec.static_argnums:
