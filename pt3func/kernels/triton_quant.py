@@ -1,0 +1,207 @@
+"""Triton kernels for blockwise int8 / int4 quantisation, bit-exact to `reference.py`.
+
+One program handles `BPP` consecutive blocks as a `(BPP, WIDTH)` tile (WIDTH: the block rounded up to a power of
+two; contiguous rows, so loads vectorise). Quantise reads `x` (and the residual) once and writes `q`, the scales and
+the new residual in the same pass; int4 pairs neighbouring elements by viewing the tile as `(BPP, WIDTH // 2, 2)`.
+
+Bit-exactness with the reference rests on doing the same IEEE fp32 operations in the same order:
+- the two divisions per block use `div_rn` (Triton's `/` is an approximate division on NVIDIA GPUs);
+- kernels are launched with `enable_fp_fusion=False`, so `y * inv + c` and `y - q * scale` are not contracted
+  into FMAs (one rounding instead of the reference's two);
+- round half to even is `(t + 1.5 * 2**23) - 1.5 * 2**23`, exact for |t| < 2**22 (here |t| <= 127).
+
+Import this module only when triton is importable (`pt3func.kernels.triton_available()`). It runs on CPU
+tensors under `TRITON_INTERPRET=1` (how CI tests it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pt3func.kernels import reference
+
+_MIX1 = tl.constexpr(reference.MIX1)
+_MIX2 = tl.constexpr(reference.MIX2)
+_GOLDEN = tl.constexpr(reference.GOLDEN)
+_FLT_MAX = tl.constexpr(reference.FLT_MAX)
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds to an integer, half to even
+
+# Elements per program and warps when the caller does not pick (benchmarks/quant_kernels.py sweeps them).
+DEFAULT_ELEMS_PER_PROGRAM = 8192
+DEFAULT_NUM_WARPS = 8
+
+
+@triton.jit
+def _lowbias32(h):
+    h = h ^ (h >> 16)
+    h = h * _MIX1
+    h = h ^ (h >> 15)
+    h = h * _MIX2
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _to_bf16(v):
+    """fp32 -> bf16 rounding to nearest even, in integer ops: the interpreter's float cast rounds differently."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    bits = tl.where(v != v, 0x7FC00000, bits)  # keep NaN a NaN (the carry could turn it into inf)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _tile(pid, BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, WIDE: tl.constexpr):
+    """This program's `BPP` block indices, the `(BPP, WIDTH)` element offsets (WIDTH = block rounded up to a power
+    of two), and which columns lie inside a block."""
+    rows = pid * BPP + tl.arange(0, BPP)
+    if WIDE:
+        rows = rows.to(tl.int64)
+    cols = tl.arange(0, WIDTH)[None, :]
+    return rows, rows[:, None] * BLOCK + cols, cols < BLOCK
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, r_ptr, seed_ptr, q_ptr, s_ptr, nr_ptr, numel, nblocks,
+    BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, QMAX: tl.constexpr,
+    INT4: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr, WIDE: tl.constexpr,
+):
+    rows, offs, in_block = _tile(tl.program_id(0), BLOCK, WIDTH, BPP, WIDE)
+    row_ok = rows < nblocks
+    valid = in_block & (offs < numel)
+    y = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y = y + tl.load(r_ptr + offs, mask=valid, other=0.0)
+    # NaN-propagating max, like torch.amax: a non-finite gradient keeps a non-finite scale, so it is still seen
+    # after dequantisation (steps with non-finite gradients are skipped downstream).
+    absmax = tl.reduce(tl.abs(y), 1, _nan_max)
+    qm = tl.full([BPP], QMAX, tl.float32)
+    scale = tl.math.div_rn(absmax, qm)
+    inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
+    t = y * inv[:, None]
+    t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
+    if STOCH:
+        seed_h = _lowbias32(tl.load(seed_ptr).to(tl.uint32))
+        h = _lowbias32(offs.to(tl.uint32) * _GOLDEN + seed_h)
+        u = (h >> 8).to(tl.float32) * (2.0**-24)
+        t = tl.floor(t + u)
+        t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
+    else:
+        t = (t + _RNE_MAGIC) - _RNE_MAGIC
+    if HAS_RES:
+        tl.store(nr_ptr + offs, y - t * scale[:, None], mask=valid)
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+    if INT4:
+        # Neighbouring elements (2j, 2j + 1) -> low and high nibble of byte j, each stored as value + 8.
+        lo, hi = tl.split(tl.reshape((t + 8.0).to(tl.uint8), (BPP, WIDTH // 2, 2)))
+        bcols = tl.arange(0, WIDTH // 2)[None, :]
+        tl.store(q_ptr + rows[:, None] * (BLOCK // 2) + bcols, lo | (hi << 4),
+                 mask=row_ok[:, None] & (bcols < BLOCK // 2))
+    else:
+        tl.store(q_ptr + offs, t.to(tl.int8), mask=row_ok[:, None] & in_block)
+
+
+@triton.jit
+def _dequantize_kernel(
+    q_ptr, s_ptr, out_ptr, numel, nblocks,
+    BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, INT4: tl.constexpr, WIDE: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    rows, offs, in_block = _tile(tl.program_id(0), BLOCK, WIDTH, BPP, WIDE)
+    row_ok = rows < nblocks
+    valid = in_block & (offs < numel)
+    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    if INT4:
+        bcols = tl.arange(0, WIDTH // 2)[None, :]
+        b = tl.load(q_ptr + rows[:, None] * (BLOCK // 2) + bcols, mask=row_ok[:, None] & (bcols < BLOCK // 2),
+                    other=0).to(tl.int32)
+        qf = tl.reshape(tl.join((b & 15) - 8, (b >> 4) - 8), (BPP, WIDTH)).to(tl.float32)
+    else:
+        qf = tl.load(q_ptr + offs, mask=valid, other=0).to(tl.float32)
+    out = qf * scale[:, None]
+    if BF16:
+        out = _to_bf16(out)
+    tl.store(out_ptr + offs, out, mask=valid)
+
+
+def _launch_shape(block: int, padded: int, elems_per_program: int | None) -> tuple[int, int, int]:
+    """(WIDTH, blocks per program, programs): WIDTH is at least 2 so int4's pairs exist even for tiny blocks."""
+    width = max(2, triton.next_power_of_2(block))
+    bpp = triton.next_power_of_2(max(1, (elems_per_program or DEFAULT_ELEMS_PER_PROGRAM) // width))
+    return width, bpp, triton.cdiv(padded // block, bpp)
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    residual: torch.Tensor | None = None,
+    stochastic: bool = False,
+    seed: torch.Tensor | None = None,
+    *,
+    elems_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Same contract as `reference.quantize_blockwise`; `elems_per_program` / `num_warps` tune the launch."""
+    reference.check_format(bits, block)
+    if stochastic and seed is None:
+        raise ValueError("stochastic rounding needs a seed (a 0-d integer tensor, new every step)")
+    n = x.numel()
+    padded = reference.padded_numel(n, bits, block)
+    xf = x.reshape(-1)
+    q = torch.empty(padded if bits == 8 else padded // 2, dtype=torch.int8 if bits == 8 else torch.uint8,
+                    device=x.device)
+    scales = torch.empty(padded // block, dtype=torch.float32, device=x.device)
+    rf = residual.reshape(-1).to(torch.float32) if residual is not None else None
+    new_residual = torch.empty(n, dtype=torch.float32, device=x.device) if residual is not None else None
+    if padded == 0:
+        return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
+    seed_t = seed.reshape(()).to(device=x.device, dtype=torch.int64) if stochastic else scales
+    width, bpp, grid = _launch_shape(block, padded, elems_per_program)
+    _quantize_kernel[(grid,)](
+        xf, rf if rf is not None else xf, seed_t, q, scales, new_residual if new_residual is not None else xf,
+        n, padded // block,
+        BLOCK=block, WIDTH=width, BPP=bpp, QMAX=reference.QMAX[bits], INT4=bits == 4,
+        HAS_RES=residual is not None, STOCH=stochastic, WIDE=grid * bpp * block >= 2**31,
+        num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+    )
+    return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
+
+
+def dequantize_blockwise(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    elems_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `reference.dequantize_blockwise`.
+
+    The kernel writes fp32 or bf16; other dtypes (fp16) are cast from fp32 by torch afterwards.
+    """
+    reference.check_format(bits, block)
+    if dtype not in (torch.float32, torch.bfloat16):
+        return dequantize_blockwise(q, scales, bits, block, numel, torch.float32, elems_per_program=elems_per_program,
+                                    num_warps=num_warps).to(dtype)
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    padded = scales.numel() * block
+    if numel == 0:
+        return out
+    width, bpp, grid = _launch_shape(block, padded, elems_per_program)
+    _dequantize_kernel[(grid,)](
+        q, scales, out, numel, scales.numel(),
+        BLOCK=block, WIDTH=width, BPP=bpp, INT4=bits == 4, WIDE=grid * bpp * block >= 2**31,
+        BF16=dtype == torch.bfloat16, num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+    )
+    return out
