@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,13 +88,17 @@ def current() -> LoweringContext | None:
     return _CONTEXT.get()
 
 
+# `node.meta["custom"][GRAD_OF]` names the leaf a gradient reduction is for (the grad_exchange pass reads it).
+GRAD_OF = "pt3func_grad_of"
+
+
 @contextlib.contextmanager
-def reason(text: str) -> Iterator[None]:
+def reason(text: str, **extra: Any) -> Iterator[None]:
     """Tag every node recorded inside with why it exists (shown beside collectives in `as_text()`)."""
     if current() is None:
         yield
         return
-    with fx_traceback.annotate({"pt3func": text}):
+    with fx_traceback.annotate({"pt3func": text, **extra}):
         yield
 
 
@@ -143,6 +148,10 @@ def gather_sharded_params(leaves: Sequence[Any], others: Sequence[Any]) -> list[
         axes = ", ".join(_axis_name(leaf.device_mesh, d) for d in sorted(dims))
         with reason(f"FSDP: gather {label} over {axes} for the forward"):
             gathered = leaf.redistribute(leaf.device_mesh, target)
+        if gathered.requires_grad:
+            # The backward of this gather is the gradient's reduce-scatter: reduce it here, under the
+            # gradient's own reason, so the gather's backward finds it already in the leaf's placements.
+            gathered.register_hook(functools.partial(reduce_gradient, like=leaf))
         out.append(gathered)
     return out
 
@@ -154,7 +163,7 @@ def reduce_gradient(grad: Any, like: Any) -> Any:
     if tuple(grad.placements) == tuple(like.placements):
         return grad
     label = (current().label(like) if current() else None) or "a parameter"
-    with reason(f"grad of {label}"):
+    with reason(f"grad of {label}", **{GRAD_OF: label}):
         return grad.redistribute(like.device_mesh, like.placements)
 
 
