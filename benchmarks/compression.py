@@ -1,0 +1,573 @@
+"""Compressed gradient exchange: bytes on the wire, gradient error, convergence and step time, in one table.
+
+    sudo .venv/bin/python benchmarks/compression.py            # CPU: all parts (~25 min on 2 cores)
+    .venv/bin/python benchmarks/compression.py --parts wire,error,converge   # without the slow link (no root)
+    .venv/bin/python benchmarks/compression.py --parts slowlink --slowlink-ranks 4
+    .venv/bin/python benchmarks/compression.py --smoke         # a few steps of everything, tiny models
+    python benchmarks/compression.py --gpu                     # 2 GPUs: the anchor step, fp32/bf16/int8+EF exchange
+
+Formats (rows): the fp32 all-reduce of plain data parallelism, then `pf.compress.bf16()`, `fp16()`,
+`int8(error_feedback=True)`, `int4(error_feedback=True)`, `topk(ratio=0.01, error_feedback=True)`,
+`powersgd(rank=4)`, each given to `pf.jit(grad_exchange=...)`. Above them, the seed document's FP32 / FP16 / INT4
+table (its numbers are from a blog, not measured here). Columns, per format:
+
+- **wire**: bytes of every collective of the data-parallel train step per rank, relative to the fp32 step's,
+  read from the lowered program (`step.lower(...).cost_analysis()["comm_bytes"]`), exactly.
+- **grad err**: relative L2 error ||g~ - g|| / ||g|| of the gradient after the exchange against the exact
+  all-reduced one, on the char GPT after `--error-after` fp32 steps, one exchange from a fresh
+  error-feedback state (what one step loses; error feedback pays it back later, `grad err 20` is the
+  error of the sum of 20 consecutive exchanged gradients against the sum of the exact ones, which is what
+  error feedback bounds).
+- **val loss** and **vs fp32**: the char-level GPT (examples/gpt.py, stdlib source) trained data-parallel
+  on `--ranks` gloo processes for `--steps` steps from the same init and batches; final validation loss
+  and its ratio to the fp32 run's, against the issue's bound (1% bf16, int8+EF; 3% int4+EF, top-k 1%+EF,
+  PowerSGD rank 4).
+- **slow-link ms** and **speed-up**: step time of a model whose gradient exchange dominates (a wide MLP,
+  `--mlp-width`), data-parallel over gloo ranks in Linux network namespaces whose links are limited to
+  1 Gbit/s by `tc tbf` (benchmarks/netns/slowlink.py; needs root), and its speed-up over fp32.
+
+Every rank of a part is a process of its own started by this script (plain processes on loopback for
+wire/error/converge, `ip netns exec` ones for the slow link); rank 0 writes its results to a file this
+script reads back. The table is printed and written to `results/compression_<tag>.json`.
+
+`--gpu` runs `torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp --grad-exchange X`
+for X in fp32, bf16, int8 (the anchor config) and checks the issue's rule that compression costs at most 3%
+against the bf16 exchange.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "netns"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from common import RESULTS, environment, print_table, write_json  # noqa: E402
+
+# The seed document's table (section 3.1; numbers from a blog post, not measurements): format, relative L2
+# error of the all-reduced gradient, all-reduce throughput in GB/s.
+SEED_ROWS = [("FP32", 0.0, 8.2), ("FP16", 0.007, 15.6), ("INT4", 0.043, 29.1)]
+
+# name -> (pf.compress constructor call as text, bound on val loss relative to fp32 or None). The text is
+# evaluated against `pf.compress` in the ranks, so the JSON says exactly which format ran.
+FORMATS: dict[str, tuple[str | None, float | None]] = {
+    "fp32": (None, None),
+    "bf16": ("bf16()", 0.01),
+    "fp16": ("fp16()", None),  # no bound in the issue; reported
+    "int8+EF": ("int8(error_feedback=True)", 0.01),
+    "int4+EF": ("int4(error_feedback=True)", 0.03),
+    "topk 1%+EF": ("topk(ratio=0.01, error_feedback=True)", 0.03),
+    "powersgd r4": ("powersgd(rank=4)", 0.03),
+}
+SLOWLINK_FORMATS = ("fp32", "bf16", "int8+EF")
+PARTS = ("wire", "error", "converge", "slowlink")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    add("--formats", default=",".join(FORMATS), help="comma-separated subset of the rows")
+    add("--smoke", action="store_true", help="a few steps of every part on tiny models (for a test)")
+    add("--tag", default=None, help="results/compression_<tag>.json (default: cpu, smoke or gpu)")
+    add("--out", default=None, help="write the JSON here instead")
+    # The char GPT (convergence, error, wire): train_lm_sharded.py's defaults, 4 gloo ranks, eager.
+    add("--ranks", type=int, default=4)
+    add("--steps", type=int, default=300)
+    add("--batch", type=int, default=32, help="sequences per step over all ranks")
+    add("--seq", type=int, default=64)
+    add("--d-model", type=int, default=128)
+    add("--layers", type=int, default=2)
+    add("--heads", type=int, default=4)
+    add("--lr", type=float, default=3e-3)
+    add("--warmup", type=int, default=30)
+    add("--eval-batches", type=int, default=16)
+    add("--error-after", type=int, default=20, help="fp32 steps before the gradient-error measurement")
+    add("--max-bytes", type=int, default=1_000_000)
+    add("--backend", choices=("eager", "inductor"), default="eager",
+        help="pf.jit backend in the ranks (eager: 4 ranks compiling with Inductor on 2 cores cost minutes each)")
+    # The slow link.
+    add("--slowlink-ranks", type=int, default=4)
+    add("--rate", default="1gbit", help="tc rate of every link")
+    add("--mlp-width", type=int, default=1024)
+    add("--mlp-layers", type=int, default=4)
+    add("--mlp-batch", type=int, default=8, help="rows per rank")
+    add("--slowlink-steps", type=int, default=10, help="timed steps per format (after 3 warm-up steps)")
+    # GPU.
+    add("--gpu", action="store_true", help="2 GPUs: lm_step.py under torchrun with fp32/bf16/int8 exchange")
+    add("--gpu-args", default="", help="extra lm_step.py flags for --gpu (e.g. a smaller config)")
+    add("--nproc", type=int, default=2, help="--gpu: processes (GPUs)")
+    # Internal: the rank side.
+    add("--worker", choices=("gpt", "slowlink"), default=None, help=argparse.SUPPRESS)
+    add("--result", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.ranks, a.steps, a.batch, a.seq, a.d_model, a.layers, a.heads = 2, 4, 8, 16, 32, 1, 2
+        a.warmup, a.eval_batches, a.error_after, a.max_bytes = 1, 2, 2, 100_000
+        a.slowlink_ranks, a.mlp_width, a.mlp_layers, a.slowlink_steps = 2, 64, 2, 2
+    return a
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Formats: the one place that knows pf.compress / grad_exchange.
+
+
+def make_exchange(name: str) -> Any:
+    """The `pf.compress` exchange of row `name` (None: plain fp32 all-reduce)."""
+    import pt3func as pf
+
+    text = FORMATS[name][0]
+    if text is None:
+        return None
+    return eval(f"pf.compress.{text}", {"pf": pf})  # noqa: S307 - our own constant table
+
+
+def init_exchange_state(exchange: Any, params: Any) -> Any:
+    """Error-feedback (or PowerSGD) state for `params`; None when the format keeps none."""
+    if exchange is None or not hasattr(exchange, "init"):
+        return None
+    return exchange.init(params)
+
+
+def make_step(train_step: Callable[..., Any], exchange: Any, **jit_kwargs: Any) -> Any:
+    """`pf.jit` of a train step of (params, opt_state, ex_state, batch) -> (params, opt_state, ex_state, aux)."""
+    import pt3func as pf
+
+    if exchange is None:
+        return pf.jit(train_step, **jit_kwargs)
+    return pf.jit(train_step, grad_exchange=exchange, **jit_kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launching ranks.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_argv(a: argparse.Namespace, worker: str, result: str) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--result", result]
+    skip = {"worker", "result", "gpu", "gpu_args", "out", "tag"}
+    for key, value in vars(a).items():
+        if key in skip or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_local(a: argparse.Namespace, worker: str, n: int, timeout: float) -> dict[str, Any]:
+    """Start `n` rank processes on loopback (gloo), wait, and return rank 0's result."""
+    from slowlink import wait_all
+
+    with tempfile.TemporaryDirectory(prefix="pf-compression-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        port = _free_port()
+        procs = []
+        for rank in range(n):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                       WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(_worker_argv(a, worker, result), env=env))
+        codes = wait_all(procs, timeout)
+        if any(codes):
+            raise RuntimeError(f"{worker} ranks exited with {codes}")
+        return json.loads(Path(result).read_text())
+
+
+def run_slowlink(a: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """The slow-link part: probe the network, then time the MLP step per format, all in network namespaces."""
+    from slowlink import SlowLink, wait_all
+
+    with SlowLink(a.slowlink_ranks, rate=a.rate) as net, tempfile.TemporaryDirectory(prefix="pf-slowlink-") as tmp:
+        os.chmod(tmp, 0o777)
+        print(f"slow link: {net.describe()}", flush=True)
+        result = os.path.join(tmp, "result.json")
+        codes = wait_all(net.launch(_worker_argv(a, "slowlink", result), port=_free_port()), timeout)
+        if any(codes):
+            raise RuntimeError(f"slow-link ranks exited with {codes}")
+        out = json.loads(Path(result).read_text())
+        out["network"] = net.describe()
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rank side: the char GPT (wire bytes, gradient error, convergence).
+
+
+def _gpt_setup(a: argparse.Namespace) -> dict[str, Any]:
+    import char_lm
+    import data as chardata
+    import gpt
+    import torch
+
+    import pt3func as pf
+
+    torch.set_num_threads(1)
+    mesh = pf.make_mesh((a.ranks,), ("dp",))
+    dataset = chardata.load_dataset(a.max_bytes)
+    config = gpt.GPTConfig(vocab=dataset.vocab_size, seq=a.seq, d_model=a.d_model, n_layers=a.layers,
+                           n_heads=a.heads)
+    opt_args = argparse.Namespace(steps=a.steps, warmup=a.warmup, lr=a.lr, clip=1.0, weight_decay=0.1)
+    val_stream = chardata.batches(dataset.val, a.batch, a.seq, seed=1)
+    return dict(mesh=mesh, dataset=dataset, config=config, opt=char_lm.make_optimizer(opt_args),
+                val_batches=[next(val_stream) for _ in range(a.eval_batches)],
+                baseline=chardata.unigram_baseline(dataset.train, dataset.val, dataset.vocab_size))
+
+
+def _gpt_train_step(config: Any, opt: Any) -> Callable[..., Any]:
+    import gpt
+
+    import pt3func as pf
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        return gpt.loss_fn(params, batch, config, train=True)
+
+    def train_step(params: Any, opt_state: Any, ex_state: Any, batch: Any) -> Any:
+        loss, grads = pf.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return pf.optim.apply_updates(params, updates), opt_state, ex_state, {"loss": loss}
+
+    return train_step
+
+
+def _gpt_grad_fn(config: Any) -> Callable[..., Any]:
+    """(params, ex_state, batch) -> (reduced grads, ex_state): the gradient as the optimizer would see it."""
+    import gpt
+
+    import pt3func as pf
+
+    def grad_fn(params: Any, ex_state: Any, batch: Any) -> Any:
+        grads = pf.grad(lambda p, b: gpt.loss_fn(p, b, config))(params, batch)
+        return grads, ex_state
+
+    return grad_fn
+
+
+def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
+    import data as chardata
+    import gpt
+    import torch
+    import torch.distributed as dist
+
+    import pt3func as pf
+    from pt3func import P
+
+    s = _gpt_setup(a)
+    mesh, config, opt = s["mesh"], s["config"], s["opt"]
+    rank0 = dist.get_rank() == 0
+    say = print if rank0 else (lambda *args, **kw: None)
+    names = a.formats.split(",")
+    parts = set(a.parts.split(","))
+    out: dict[str, Any] = {"formats": {name: {} for name in names}}
+    jit = dict(backend=a.backend)
+
+    with pf.set_mesh(mesh):
+        def fresh() -> tuple[Any, Any, Any]:
+            params = gpt.init_params(config, seed=0)
+            specs = gpt.param_specs(params, tp=None)
+            return pf.device_put(params, specs), specs, None
+
+        params, specs, _ = fresh()
+        out["params"] = gpt.num_params(params)
+        train_step = _gpt_train_step(config, opt)
+        shardings = dict(in_shardings=(specs, None, None, P("dp")))
+
+        def bookkeeping(name: str) -> tuple[Any, Any]:
+            exchange = make_exchange(name)
+            return exchange, init_exchange_state(exchange, params)
+
+        # Wire bytes, from the lowered program of the real train step.
+        if "wire" in parts:
+            batch = next(chardata.batches(s["dataset"].train, a.batch, a.seq, seed=0))
+            opt_state = pf.jit(opt.init, **jit)(params)
+            for name in names:
+                exchange, ex_state = bookkeeping(name)
+                step = make_step(train_step, exchange, **shardings, **jit)
+                cost = step.lower(params, opt_state, ex_state, batch).cost_analysis()
+                out["formats"][name]["comm_bytes"] = dict(cost["comm_bytes"])
+                out["formats"][name]["wire_bytes"] = sum(cost["comm_bytes"].values())
+                say(f"wire {name}: {out['formats'][name]['wire_bytes']:,} bytes per rank per step", flush=True)
+
+        # Gradient error: params after a few fp32 steps, then one (and 20) exchanges of each format.
+        if "error" in parts:
+            params, specs, _ = fresh()
+            opt_state = pf.jit(opt.init, **jit)(params)
+            step = make_step(train_step, None, donate_argnums=(0, 1), **shardings, **jit)
+            train = chardata.batches(s["dataset"].train, a.batch, a.seq, seed=0)
+            for _ in range(a.error_after):
+                params, opt_state, _, _ = step(params, opt_state, None, next(train))
+            batches = [next(train) for _ in range(20 if not a.smoke else 2)]
+            grad_fn = _gpt_grad_fn(config)
+
+            def flat(grads: Any) -> torch.Tensor:
+                return torch.cat([pf.device_get(g).reshape(-1) for g in pf.tree.leaves(grads)])
+
+            exact_fn = make_step(grad_fn, None, in_shardings=(specs, None, P("dp")), **jit)
+            exact = [flat(exact_fn(params, None, b)[0]) for b in batches]
+            for name in names:
+                exchange, ex_state = bookkeeping(name)
+                fn = make_step(grad_fn, exchange, in_shardings=(specs, None, P("dp")), **jit)
+                got = []
+                for b in batches:
+                    grads, ex_state = fn(params, ex_state, b)
+                    got.append(flat(grads))
+                one = float((got[0] - exact[0]).norm() / exact[0].norm())
+                total_exact, total_got = sum(exact), sum(got)
+                many = float((total_got - total_exact).norm() / total_exact.norm())
+                out["formats"][name].update(grad_err=one, grad_err_sum=many, grad_err_sum_steps=len(batches))
+                say(f"grad error {name}: one exchange {one:.4%}, sum of {len(batches)}: {many:.4%}", flush=True)
+
+        # Convergence: every format from the same init and the same batches.
+        if "converge" in parts:
+            for name in names:
+                params, specs, _ = fresh()
+                exchange, ex_state = bookkeeping(name)
+                opt_state = pf.jit(opt.init, **jit)(params)
+                step = make_step(train_step, exchange, donate_argnums=(0, 1), **shardings, **jit)
+                eval_step = pf.jit(lambda p, b: gpt.loss_fn(p, b, config), in_shardings=(specs, P("dp")), **jit)
+                train = chardata.batches(s["dataset"].train, a.batch, a.seq, seed=0)
+                losses, start = [], time.perf_counter()
+                for i in range(1, a.steps + 1):
+                    params, opt_state, ex_state, metrics = step(params, opt_state, ex_state, next(train))
+                    if i % 50 == 0 or i == a.steps:
+                        losses.append((i, float(pf.device_get(metrics["loss"]))))
+                seconds = time.perf_counter() - start
+                val = sum(float(pf.device_get(eval_step(params, b))) for b in s["val_batches"]) / len(s["val_batches"])
+                out["formats"][name].update(val_loss=val, train_losses=losses, train_s=seconds)
+                say(f"converge {name}: val loss {val:.4f} after {a.steps} steps ({seconds:.0f} s, "
+                    f"{seconds / a.steps * 1e3:.0f} ms/step)", flush=True)
+    out["baseline"] = s["baseline"]
+    out["config"] = dict(ranks=a.ranks, steps=a.steps, batch=a.batch, seq=a.seq, d_model=a.d_model,
+                         layers=a.layers, heads=a.heads, lr=a.lr, warmup=a.warmup, eval_batches=a.eval_batches,
+                         error_after=a.error_after, backend=a.backend)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rank side: the slow link.
+
+
+def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
+    """A wide MLP whose gradient (fp32) dwarfs its compute; per format the median time of a step."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    import pt3func as pf
+    from pt3func import P
+
+    torch.set_num_threads(1)
+    n = a.slowlink_ranks
+    mesh = pf.make_mesh((n,), ("dp",))
+    rank0 = dist.get_rank() == 0
+    say = print if rank0 else (lambda *args, **kw: None)
+    from slowlink import probe_main  # noqa: F401  (same process group: probe inline below)
+
+    # Bandwidth probe on the already-started group: 64 MiB fp32 all-reduce (16 MiB in smoke runs).
+    mib = 4 if a.smoke else 64
+    x = torch.ones(mib * 2**20 // 4)
+    dist.all_reduce(x)
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(x)
+    probe_s = time.perf_counter() - start
+    bus = 2 * (n - 1) / n * x.numel() * 4 * 8 / probe_s / 1e9
+    say(f"slow link probe: all_reduce {mib} MiB fp32 over {n} ranks {probe_s * 1e3:.0f} ms, bus {bus:.3f} Gbit/s",
+        flush=True)
+    del x
+
+    width, layers = a.mlp_width, a.mlp_layers
+    gen = torch.Generator().manual_seed(0)
+    params = {f"l{i}": {"w": torch.randn(width, width, generator=gen) / math.sqrt(width),
+                        "b": torch.zeros(width)} for i in range(layers)}
+    n_params = sum(t.numel() for t in pf.tree.leaves(params))
+    opt = pf.optim.sgd(1e-3, momentum=0.9)
+
+    def loss_fn(p: Any, batch: Any) -> Any:
+        x, y = batch
+        for i in range(layers):
+            x = torch.nn.functional.linear(x, p[f"l{i}"]["w"], p[f"l{i}"]["b"])
+            x = torch.tanh(x) if i < layers - 1 else x
+        return torch.nn.functional.mse_loss(x, y)
+
+    def train_step(p: Any, opt_state: Any, ex_state: Any, batch: Any) -> Any:
+        loss, grads = pf.value_and_grad(loss_fn)(p, batch)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return pf.optim.apply_updates(p, updates), opt_state, ex_state, loss
+
+    batch = (torch.randn(a.mlp_batch * n, width, generator=gen), torch.randn(a.mlp_batch * n, width, generator=gen))
+    names = [f for f in SLOWLINK_FORMATS if f in a.formats.split(",")]
+    out: dict[str, Any] = {"probe": dict(mib=mib, seconds=probe_s, bus_gbit_s=bus), "formats": {}}
+    with pf.set_mesh(mesh):
+        specs = pf.tree.map(lambda _: P(), params)
+        for name in names:
+            p = pf.device_put(params, specs)
+            exchange = make_exchange(name)
+            ex_state = init_exchange_state(exchange, p)
+            opt_state = pf.jit(opt.init, backend=a.backend)(p)
+            step = make_step(train_step, exchange, in_shardings=(specs, None, None, P("dp")),
+                             donate_argnums=(0, 1), backend=a.backend)
+            comm = sum(step.lower(p, opt_state, ex_state, batch).cost_analysis()["comm_bytes"].values())
+            times = []
+            for _ in range(3 + a.slowlink_steps):
+                dist.barrier()
+                start = time.perf_counter()
+                p, opt_state, ex_state, loss = step(p, opt_state, ex_state, batch)
+                float(pf.device_get(loss))
+                times.append(time.perf_counter() - start)
+            med = statistics.median(times[3:])
+            out["formats"][name] = dict(step_ms=med * 1e3, times_ms=[t * 1e3 for t in times[3:]], wire_bytes=comm)
+            say(f"slow link {name}: {med * 1e3:.1f} ms/step, {comm / 2**20:.2f} MiB on the wire per rank", flush=True)
+    out["config"] = dict(ranks=n, width=width, layers=layers, batch_per_rank=a.mlp_batch, params=n_params,
+                         steps=a.slowlink_steps, optimizer="sgd(momentum=0.9)", backend=a.backend)
+    return out
+
+
+def worker_main(a: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    result = gpt_worker(a) if a.worker == "gpt" else slowlink_worker(a)
+    if dist.get_rank() == 0:
+        Path(a.result).write_text(json.dumps(result, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The table.
+
+
+def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dict[str, Any] | None
+                ) -> tuple[list[str], list[list[Any]], list[dict[str, Any]]]:
+    nan = float("nan")
+    columns = ["format", "wire vs fp32", "grad err", "grad err 20", "val loss", "vs fp32", "bound", "ok",
+               "slow-link ms", "speed-up", "seed GB/s"]
+    rows: list[list[Any]] = []
+    records: list[dict[str, Any]] = []
+    for name, err, gbs in SEED_ROWS:
+        rows.append([f"seed {name} (blog)", nan, f"{err:.1%}", nan, nan, nan, "", "", nan, nan, gbs])
+        records.append(dict(format=f"seed {name}", grad_err=err, allreduce_gb_s=gbs, source="seed document 3.1"))
+    fmts = (gpt_res or {}).get("formats", {})
+    slow_fmts = (slow or {}).get("formats", {})
+    ref = fmts.get("fp32", {})
+    slow_ref = slow_fmts.get("fp32", {})
+    for name in a.formats.split(","):
+        f, sf = fmts.get(name, {}), slow_fmts.get(name, {})
+        bound = FORMATS[name][1]
+        wire = f["wire_bytes"] / ref["wire_bytes"] if "wire_bytes" in f and ref.get("wire_bytes") else nan
+        rel = f["val_loss"] / ref["val_loss"] - 1 if "val_loss" in f and "val_loss" in ref else nan
+        ok = "" if bound is None or math.isnan(rel) else ("yes" if rel <= bound else "NO")
+        speed = slow_ref["step_ms"] / sf["step_ms"] if "step_ms" in sf and "step_ms" in slow_ref else nan
+        rows.append([
+            name, wire,
+            f"{f['grad_err']:.2%}" if "grad_err" in f else nan,
+            f"{f['grad_err_sum']:.2%}" if "grad_err_sum" in f else nan,
+            f.get("val_loss", nan),
+            f"{rel:+.2%}" if not math.isnan(rel) else nan,
+            f"{bound:.0%}" if bound is not None else "",
+            ok,
+            sf.get("step_ms", nan),
+            f"{speed:.2f}x" if not math.isnan(speed) else nan,
+            nan,
+        ])
+        records.append(dict(format=name, exchange=FORMATS[name][0], wire_vs_fp32=wire, val_loss_vs_fp32=rel,
+                            bound=bound, within_bound=ok or None, slowlink_speedup=speed, **f,
+                            **{f"slowlink_{k}": v for k, v in sf.items()}))
+    return columns, rows, records
+
+
+def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
+    """Run lm_step.py under torchrun once per exchange; compare step times with the 3% rule."""
+    import shlex
+
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pf-gpu-") as tmp:
+        for name in ("fp32", "bf16", "int8"):
+            out = os.path.join(tmp, f"{name}.jsonl")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
+                   str(HERE / "lm_step.py"), "--sharding", "dp", "--grad-exchange", name, "--out", out,
+                   *shlex.split(a.gpu_args)]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+            runs[name] = json.loads(Path(out).read_text().splitlines()[-1])
+    bf16 = runs["bf16"]["step_ms"]
+    int8 = runs["int8"]["step_ms"]
+    cost = int8 / bf16 - 1
+    columns = ["exchange", "step ms", "tokens/s", "comm MiB", "vs bf16", "note"]
+    rows = []
+    for name, r in runs.items():
+        comm = sum(r.get("comm_bytes", {}).values()) / 2**20
+        rows.append([name, r["step_ms"], r["tokens_per_s"], comm, f"{r['step_ms'] / bf16 - 1:+.1%}",
+                     r.get("grad_exchange_note", "")])
+    verdict = (f"int8+EF costs {cost:+.1%} against the bf16 exchange: "
+               + ("within the 3% rule" if cost <= 0.03 else "over the 3% rule: compression should be switched off"))
+    print_table(f"Compressed gradient exchange on {a.nproc} GPUs ({runs['fp32'].get('env', {}).get('gpu', '?')})",
+                columns, rows)
+    print(verdict)
+    return {"runs": runs, "int8_vs_bf16": cost, "within_3pct": cost <= 0.03, "verdict": verdict}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    if a.worker:
+        worker_main(a)
+        return {}
+    started = time.perf_counter()
+    if a.gpu:
+        payload = gpu_main(a)
+        tag = a.tag or "gpu"
+    else:
+        parts = set(a.parts.split(","))
+        unknown = parts - set(PARTS) or set(a.formats.split(",")) - set(FORMATS)
+        if unknown:
+            raise SystemExit(f"unknown parts/formats: {sorted(unknown)}")
+        gpt_res = slow = None
+        if parts & {"wire", "error", "converge"}:
+            gpt_res = run_local(a, "gpt", a.ranks, timeout=3600)
+        if "slowlink" in parts:
+            if os.geteuid() != 0:
+                print("slow link skipped: network namespaces and tc need root", flush=True)
+            else:
+                slow = run_slowlink(a, timeout=1800)
+        columns, rows, records = build_table(a, gpt_res, slow)
+        cfg = (gpt_res or {}).get("config", {})
+        title = "Compressed gradient exchange (CPU, gloo)"
+        if cfg:
+            title += (f"; char GPT d{cfg['d_model']} L{cfg['layers']} ({gpt_res['params']:,} params), "
+                      f"{cfg['ranks']} ranks DP, {cfg['batch']}x{cfg['seq']} tokens/step, {cfg['steps']} steps")
+        if slow:
+            sc = slow["config"]
+            title += (f"; slow link: {sc['ranks']} ranks, {slow['network']}, MLP {sc['layers']}x{sc['width']} "
+                      f"({sc['params']:,} params), probe {slow['probe']['bus_gbit_s']:.2f} Gbit/s")
+        print_table(title, columns, rows)
+        payload = dict(title=title, columns=columns, rows=rows, records=records, gpt=gpt_res, slowlink=slow)
+        tag = a.tag or ("smoke" if a.smoke else "cpu")
+    payload.update(env=environment(), seconds=time.perf_counter() - started, argv=list(argv or sys.argv[1:]))
+    path = write_json(a.out or RESULTS / f"compression_{tag}.json", payload)
+    print(f"wrote {path} ({payload['seconds']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
