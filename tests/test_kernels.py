@@ -1,0 +1,296 @@
+"""Quantisation kernels: the torch reference's format and statistics, the custom ops under make_fx / Inductor /
+pf.jit, and the Triton kernels against the reference under TRITON_INTERPRET=1 (in a child process, so the
+interpreter setting cannot leak into other tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pt3func as pf
+from pt3func.kernels import dequantize_blockwise, quantize_blockwise, reference, triton_available
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton interpreter cases: (name, kwargs). Small sizes: the interpreter runs numpy per program.
+
+
+def _case_input(n: int, dtype: torch.dtype, special: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3
+    x[: min(n, 40)] = 0.0  # the first block is all zero (scale 0) in every case with blocks <= 40
+    if special == "tiny":
+        x[40:80] = 1e-38  # qmax / absmax overflows fp32: the FLT_MAX clamp keeps q finite
+    if special == "ties":
+        x[80:160] = torch.arange(80, dtype=torch.float32) * 0.5 - 20.0  # many exact .5 ties after scaling
+        x[80] = 127.0 / 4.0
+    return x.to(dtype)
+
+
+INTERPRETER_CASES = {
+    f"{bits}bit-{name}": dict(bits=bits, **kw)
+    for bits in (8, 4)
+    for name, kw in {
+        "fp32": dict(n=1000, block=64),
+        "fp32-ef": dict(n=1000, block=64, residual=True),
+        "bf16-ef-odd-numel-block100": dict(n=999 if bits == 8 else 998, block=100, dtype="bfloat16", residual=True),
+        "fp16-block32-small-programs": dict(n=333, block=32, dtype="float16", elems_per_program=64),
+        "tiny-absmax": dict(n=300, block=40, special="tiny"),
+        "ties": dict(n=300, block=80, special="ties"),
+        "stochastic": dict(n=1000, block=64, stochastic=True, seed=123456789012),
+        "stochastic-ef-bf16": dict(n=555, block=50, dtype="bfloat16", residual=True, stochastic=True, seed=-7),
+        "block-1-int8-or-2-int4": dict(n=37, block=1 if bits == 8 else 2, elems_per_program=16),
+    }.items()
+}
+
+
+def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", residual: bool = False,
+                      stochastic: bool = False, seed: int = 0, special: str = "",
+                      elems_per_program: int | None = None) -> str:
+    """Empty string if the Triton kernels reproduce the reference exactly, else what differs."""
+    from pt3func.kernels import triton_quant
+
+    x = _case_input(n, getattr(torch, dtype), special)
+    r = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.05 if residual else None
+    s = torch.tensor(seed) if stochastic else None
+    want = reference.quantize_blockwise(x, bits, block, r, stochastic, s)
+    got = triton_quant.quantize_blockwise(x, bits, block, r, stochastic, s, elems_per_program=elems_per_program)
+    errors = []
+    for name, w, g in zip(("q", "scales", "new_residual"), want, got):
+        if (w is None) != (g is None) or (w is not None and not (w.dtype == g.dtype and torch.equal(w, g))):
+            errors.append(f"{name} differs")
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        w = reference.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype)
+        g = triton_quant.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype,
+                                              elems_per_program=elems_per_program)
+        if not (w.dtype == g.dtype and torch.equal(w, g)):
+            errors.append(f"dequantised {out_dtype} differs")
+    return "; ".join(errors)
+
+
+def _interpreter_main() -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")  # numpy warns on the all-zero block's qmax / 0 (clamped to FLT_MAX)
+    results = {name: _interpreter_case(**kw) for name, kw in INTERPRETER_CASES.items()}
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    if not triton_available():
+        pytest.skip("triton is not importable here (CI installs it with the dev extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__, "--interpret"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case", sorted(INTERPRETER_CASES))
+def test_triton_kernels_match_reference_bit_for_bit(interpreter_results, case):
+    assert interpreter_results[case] == ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The format, on the reference
+
+
+def test_int8_values_round_half_to_even_and_padding():
+    x = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 1.5, 0.0])  # first block: absmax 127 -> scale 1, x is q
+    q, scales, residual = quantize_blockwise(x, bits=8, block=4)
+    assert q.dtype == torch.int8 and q.shape == (8,)  # 7 elements padded to 2 blocks of 4
+    assert q.tolist() == [127, 2, 4, -2, -42, 127, 0, 0]  # -0.5 * 127 / 1.5 = -42.3
+    assert torch.equal(scales, torch.tensor([127.0, 1.5]) / torch.tensor(127.0)) and residual is None
+
+
+def test_int4_packs_two_offset_binary_values_per_byte_low_nibble_first():
+    x = torch.tensor([7.0, -7.0, 0.0, 3.5])  # absmax 7 -> scale 1; 3.5 rounds to 4
+    q, scales, _ = quantize_blockwise(x, bits=4, block=4)
+    assert q.dtype == torch.uint8 and scales.tolist() == [1.0]
+    assert q.tolist() == [(7 + 8) | ((-7 + 8) << 4), (0 + 8) | ((4 + 8) << 4)]
+    d = dequantize_blockwise(q, scales, bits=4, block=4, numel=4)
+    assert d.tolist() == [7.0, -7.0, 0.0, 4.0]
+
+
+def test_all_zero_block_has_zero_scale_and_no_nan():
+    x = torch.zeros(64)
+    x[32:] = torch.randn(32)
+    q, scales, res = quantize_blockwise(x, bits=4, block=32, residual=torch.zeros(64))
+    assert scales[0] == 0 and (q[:16] == 0x88).all()  # value 0 is nibble 8
+    d = dequantize_blockwise(q, scales, bits=4, block=32, numel=64)
+    assert torch.isfinite(d).all() and torch.isfinite(res).all() and (d[:32] == 0).all()
+
+
+def test_non_finite_input_gives_non_finite_block():
+    x = torch.randn(64)
+    x[3] = float("nan")
+    x[40] = float("inf")
+    q, scales, _ = quantize_blockwise(x, bits=8, block=32)
+    d = dequantize_blockwise(q, scales, bits=8, block=32, numel=64)
+    assert not torch.isfinite(d[:32]).any() and not torch.isfinite(d[32:]).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_error_is_at_most_half_a_step(bits, dtype):
+    x = (torch.randn(5000) * torch.logspace(-3, 2, 5000)).to(dtype)  # blocks of very different magnitudes
+    block = 128
+    q, scales, _ = quantize_blockwise(x, bits=bits, block=block)
+    d = dequantize_blockwise(q, scales, bits=bits, block=block, numel=x.numel(), shape=x.shape, dtype=dtype)
+    assert d.dtype == dtype and d.shape == x.shape
+    step = scales.repeat_interleave(block)[: x.numel()]
+    err = (x.float() - d.float()).abs()
+    slack = 1e-6 if dtype == torch.float32 else 2**-8  # bf16 output rounds once more
+    assert (err <= step / 2 * (1 + 1e-5) + slack * x.float().abs()).all()
+    assert (err > step / 4).any()  # the bound is not vacuous
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_error_feedback_residual_is_exactly_what_was_lost(bits, stochastic):
+    x, r = torch.randn(3, 100), torch.randn(300) * 0.1
+    seed = torch.tensor(5) if stochastic else None
+    q, scales, new_r = quantize_blockwise(x, bits=bits, block=64, residual=r, stochastic=stochastic, seed=seed)
+    d = dequantize_blockwise(q, scales, bits=bits, block=64, numel=300)
+    assert new_r.shape == r.shape and new_r.dtype == torch.float32
+    assert torch.equal(new_r, (x.reshape(-1) + r) - d)
+
+
+def test_error_feedback_accumulates_nothing_over_steps():
+    """Sum of dequantised values over k steps = k * x minus the last residual: EF loses nothing in the long run."""
+    x, r = torch.randn(256), torch.zeros(256)
+    total = torch.zeros(256)
+    for step in range(20):
+        q, s, r = quantize_blockwise(x, bits=4, block=64, residual=r, stochastic=True, seed=torch.tensor(step))
+        total += dequantize_blockwise(q, s, bits=4, block=64, numel=256)
+    torch.testing.assert_close(total + r, 20 * x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased(bits):
+    x = torch.randn(512)
+    block, seeds = 64, 1000
+    mean = torch.zeros(512)
+    for seed in range(seeds):
+        q, s, _ = quantize_blockwise(x, bits=bits, block=block, stochastic=True, seed=torch.tensor(seed))
+        mean += dequantize_blockwise(q, s, bits=bits, block=block, numel=512) / seeds
+    step = s.repeat_interleave(block)
+    q, s, _ = quantize_blockwise(x, bits=bits, block=block)
+    rtn_bias = (dequantize_blockwise(q, s, bits=bits, block=block, numel=512) - x).abs() / step
+    sr_bias = (mean - x).abs() / step
+    # Per element the mean of 1000 draws has std <= 0.5 / sqrt(1000) = 0.016 steps; RTN is off by ~0.25 on average.
+    assert sr_bias.max() < 0.08 and sr_bias.mean() < 0.02
+    assert rtn_bias.mean() > 0.15
+
+
+def test_hash_matches_plain_python_and_is_uniform():
+    def lowbias32(h: int) -> int:
+        m = 0xFFFFFFFF
+        h ^= h >> 16
+        h = (h * reference.MIX1) & m
+        h ^= h >> 15
+        h = (h * reference.MIX2) & m
+        return h ^ (h >> 16)
+
+    seed = 2**40 + 12345  # only the low 32 bits count
+    u = reference.uniform_hash(torch.tensor(seed), 1 << 16)
+    sh = lowbias32(seed & 0xFFFFFFFF)
+    for i in (0, 1, 2, 1000, 65535):
+        assert u[i].item() == (lowbias32((i * reference.GOLDEN + sh) & 0xFFFFFFFF) >> 8) * 2.0**-24
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.005
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert (hist - 1 / 16).abs().max() < 0.005
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.02  # neighbours independent
+    other = reference.uniform_hash(torch.tensor(seed + 1), 1 << 16)
+    assert (other != u).float().mean() > 0.99
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_blockwise(x, bits=2, block=4)
+    with pytest.raises(ValueError, match="even"):
+        quantize_blockwise(x, bits=4, block=5)
+    with pytest.raises(ValueError, match="seed"):
+        quantize_blockwise(x, bits=8, block=4, stochastic=True)
+    with pytest.raises(ValueError, match="residual"):
+        quantize_blockwise(x, bits=8, block=4, residual=torch.zeros(9))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The custom ops in traced programs
+
+
+def _ef_step(x, r, seed):
+    q, s, new_r = quantize_blockwise(x, bits=4, block=32, residual=r, stochastic=True, seed=seed)
+    return dequantize_blockwise(q, s, bits=4, block=32, numel=x.numel(), shape=x.shape), new_r
+
+
+def _ef_args():
+    return torch.randn(10, 7), torch.randn(70) * 0.01, torch.tensor(3)
+
+
+def test_ops_pass_opcheck():
+    x, r, seed = _ef_args()
+    torch.library.opcheck(torch.ops.pt3func.quantize_blockwise.default, (x, 8, 32, r, True, seed))
+    torch.library.opcheck(torch.ops.pt3func.quantize_blockwise.default, (x.bfloat16(), 4, 16, None, False, None))
+    q, s, _ = quantize_blockwise(x, bits=4, block=32)
+    torch.library.opcheck(torch.ops.pt3func.dequantize_blockwise.default, (q, s, 4, 32, 70, torch.bfloat16))
+
+
+def test_make_fx_records_one_node_per_call():
+    gm = make_fx(_ef_step, tracing_mode="fake")(*_ef_args())
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.pt3func.quantize_blockwise.default) == 1
+    assert targets.count(torch.ops.pt3func.dequantize_blockwise.default) == 1
+    assert not [t for t in targets if "aten" in str(t) and "view" not in str(t)]  # nothing of the reference leaks
+
+
+def test_inductor_compiles_a_graph_with_the_ops():
+    from torch._inductor.compile_fx import compile_fx
+
+    args = _ef_args()
+    gm = make_fx(_ef_step)(*args)
+    compiled = compile_fx(gm, list(args))
+    for got, want in zip(compiled(*args), _ef_step(*args)):
+        assert torch.equal(got, want)
+
+
+def test_ops_inside_pf_jit_match_the_reference():
+    step = pf.jit(_ef_step)
+    x, r, _ = _ef_args()
+    for seed in (1, 2):
+        d, new_r = step(x, r, torch.tensor(seed))
+        q, s, want_r = reference.quantize_blockwise(x, 4, 32, r, True, torch.tensor(seed))
+        assert torch.equal(new_r, want_r)
+        assert torch.equal(d, reference.dequantize_blockwise(q, s, 4, 32, 70).view(10, 7))
+    assert step.trace_count() == 1  # the seed is an input: a new seed is not a new program
+    assert "pt3func.quantize_blockwise" in step.lower(x, r, torch.tensor(1)).as_text()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_ops_match_the_cpu_reference(bits):
+    x, r = torch.randn(100_003), torch.randn(100_003) * 0.01
+    for stochastic in (False, True):
+        seed = torch.tensor(11)
+        want = reference.quantize_blockwise(x, bits, 256, r, stochastic, seed)
+        got = quantize_blockwise(x.cuda(), bits=bits, block=256, residual=r.cuda(), stochastic=stochastic,
+                                 seed=seed.cuda())
+        for w, g in zip(want, got):
+            assert torch.equal(w, g.cpu())
+        d = dequantize_blockwise(got[0], got[1], bits=bits, block=256, numel=x.numel(), dtype=torch.bfloat16)
+        assert torch.equal(d.cpu(), reference.dequantize_blockwise(want[0], want[1], bits, 256, x.numel(),
+                                                                   torch.bfloat16))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    _interpreter_main()
