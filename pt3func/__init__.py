@@ -5,7 +5,7 @@ step (forward, backward, optimizer) into one static program, compiles it once pe
 with donated buffers updated in place.
 """
 
-from pt3func import checkpointing, metrics, optim, tree
+from pt3func import checkpointing, compress, metrics, optim, tree
 from pt3func.config import config
 from pt3func.errors import (
     DataDependentControlFlowError,
@@ -60,6 +60,7 @@ __all__ = [
     "ShardingError",
     "TracingError",
     "checkpointing",
+    "compress",
     "config",
     "functionalize",
     "grad",

@@ -11,8 +11,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pt3func import tree
+from pt3func.compress.formats import Format
 from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
+from pt3func.passes import grad_exchange
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.overlap import sink_waits
 from pt3func.runtime.backend import BACKENDS
@@ -58,8 +60,12 @@ class Jitted:
             raise ValueError(f"pf.jit: unknown backend {backend!r}; choose one of {BACKENDS}")
         if memory_budget is not None and not 0.0 <= memory_budget <= 1.0:
             raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {memory_budget}")
+        if grad_exchange is not None and not isinstance(grad_exchange, Format):
+            raise TypeError(
+                f"pf.jit: grad_exchange must be a pf.compress format (pf.compress.int8(), ...), got {grad_exchange!r}"
+            )
         # Accepted by the signature (the API contract) but not built yet: refuse rather than ignore them.
-        for name, value in (("grad_exchange", grad_exchange), ("memory_budget", memory_budget)):
+        for name, value in (("memory_budget", memory_budget),):
             if value is not None:
                 raise NotImplementedError(
                     f"pf.jit({name}=...) is not implemented yet (README, 'Status'); leave it None for now"
@@ -203,6 +209,7 @@ class Jitted:
             out_leaves, out_treedef = tree.flatten(out)
             out_info["treedef"] = out_treedef
             out_info["leaves"] = out_leaves
+            out_info["call_leaves"] = call_leaves
             preferred = _preferred_outputs(spec, treedef, static, out_treedef)
             out_specs = _out_sharding_leaves(out_shardings, out, out_treedef)
             paths = _paths_of(out_treedef)
@@ -231,6 +238,8 @@ class Jitted:
             gm = capture.trace(flat_fn, example_inputs, self.name)
         graph_labels = [labels[i] for i in graph_input_leaves]
         capture.check_no_input_mutation(gm, graph_labels, self.name)
+        if self.grad_exchange is not None:
+            gm = _rewrite_grad_exchange(self.name, gm, self.grad_exchange, treedef, out_info, graph_input_leaves)
 
         out_treedef = out_info["treedef"]
         out_leaves = out_info["leaves"]
@@ -288,6 +297,19 @@ class Jitted:
         )
         self._seen.append((treedef, labels, descriptions))
         return Lowered(program, example_inputs)
+
+
+def _rewrite_grad_exchange(
+    name: str, gm: Any, fmt: Format, treedef: Any, out_info: dict[str, Any], graph_input_leaves: list[int]
+) -> Any:
+    """Compress every gradient reduction (passes/grad_exchange.py), wiring in the step's ExchangeState."""
+    source = {id(leaf): i for i, leaf in enumerate(out_info["call_leaves"]) if isinstance(leaf, torch.Tensor)}
+    out_leaves = out_info["leaves"]
+    out_source = {j: source[id(leaf)] for j, leaf in enumerate(out_leaves) if id(leaf) in source}
+    tensor_out = [j for j, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+    binding = grad_exchange.bind(name, treedef, out_info["treedef"], out_source, graph_input_leaves, tensor_out)
+    grad_exchange.check_format(name, fmt, binding)
+    return grad_exchange.rewrite(gm, fmt, binding, name=name)
 
 
 def _hashable(x: Any) -> bool:
