@@ -5,6 +5,9 @@ Everything else imports the version-dependent names from here.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,3 +39,41 @@ def dtensor_from_local(local: torch.Tensor, device_mesh: Any, placements: tuple,
 
     spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+_output_code_sink = threading.local()
+
+
+def _dispatch_output_code(code: str) -> None:
+    sink = getattr(_output_code_sink, "sources", None)
+    if sink is not None:
+        sink.append(code)
+    previous = _dispatch_output_code.previous  # type: ignore[attr-defined]
+    if previous is not None:
+        previous(code)
+
+
+_dispatch_output_code.previous = None  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def inductor_output_code() -> Iterator[list[str]]:
+    """Collect the Python wrapper source of every program Inductor compiles (or loads from its cache) inside.
+
+    Uses `GraphLowering.save_output_code`, the hook behind `torch._inductor.utils.run_and_get_code`, which both
+    a fresh compile and an FX-graph-cache hit call. Sources are collected per thread (rank threads of a
+    virtual mesh compile their own programs).
+    """
+    from torch._inductor.graph import GraphLowering
+
+    current = GraphLowering.save_output_code
+    if current is not _dispatch_output_code:  # (re)install: a test's run_and_get_code may have replaced it
+        _dispatch_output_code.previous = current  # type: ignore[attr-defined]
+        GraphLowering.save_output_code = _dispatch_output_code
+    outer = getattr(_output_code_sink, "sources", None)
+    sources: list[str] = []
+    _output_code_sink.sources = sources
+    try:
+        yield sources
+    finally:
+        _output_code_sink.sources = outer

@@ -211,6 +211,35 @@ def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> d
     }
 
 
+def compiled_memory_analysis(
+    gm: fx.GraphModule, aliased_inputs: Sequence[int], wrapper_source: str
+) -> dict[str, int] | None:
+    """`memory_analysis` of the program Inductor generated for `gm` (its Python wrapper `wrapper_source`).
+
+    Arguments are held by the caller for the whole call; on top of them the peak is what the compiled
+    program allocates at its worst point, replayed from its own allocations and frees (see
+    `runtime.inductor_memory`). None when the wrapper cannot be read.
+    """
+    from pt3func.runtime.inductor_memory import wrapper_memory
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    replay = wrapper_memory(wrapper_source, device_type, [v.dtype for v in tensors])
+    if replay is None:
+        return None
+    argument_bytes = sum(nbytes(v) for v in vals)
+    aliased_bytes = sum(nbytes(vals[i]) for i in aliased_inputs)
+    peak_bytes = argument_bytes + replay.peak_bytes
+    return {
+        "peak_bytes": peak_bytes,
+        "argument_bytes": argument_bytes,
+        "output_bytes": replay.output_bytes + aliased_bytes,
+        "aliased_bytes": aliased_bytes,
+        "temp_bytes": max(replay.peak_bytes - replay.output_bytes, 0),
+    }
+
+
 # Ops that read only their input's shape and dtype: a backward use by them keeps no value alive.
 _METADATA_ONLY = {
     torch.ops.aten.ones_like.default,

@@ -11,10 +11,12 @@ import torch
 from torch import fx
 
 from pt3func import analysis, tree
+from pt3func._compat import inductor_output_code
 from pt3func.config import config
 from pt3func.errors import DonationError, TracingError
 from pt3func.passes.donation import DonationPlan
 from pt3func.runtime.backend import compile_program
+from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate
 from pt3func.trace.signature import ArgSpec, leaf_key, split_call
 
@@ -43,6 +45,7 @@ class Program:
     key: Any
     dtensor_out: dict[int, Any] = field(default_factory=dict)  # output leaf index -> DTensorMeta
     notes: dict[fx.Node, str] = field(default_factory=dict)
+    cuda_graphs: bool = False  # run by replaying a CUDA graph (runtime/cudagraphs.py)
 
     def graph_input_labels(self) -> list[str]:
         return [self.input_labels[i] for i in self.graph_input_leaves]
@@ -57,6 +60,7 @@ class Lowered:
     def __init__(self, program: Program, example_inputs: Sequence[torch.Tensor]):
         self._program = program
         self._example_inputs = list(example_inputs)
+        self._compiled: Compiled | None = None  # set once compiled (here or by the Jitted's cache)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -83,10 +87,13 @@ class Lowered:
         return {"flops": analysis.flops(gm), "comm_bytes": analysis.comm_bytes(gm)}
 
     def memory_analysis(self) -> dict[str, int]:
-        """Bytes of arguments, outputs, donated buffers, temporaries and peak (see `analysis.memory_analysis`)."""
+        """Bytes of arguments, outputs, donated buffers, temporaries and peak, before compilation.
+
+        A liveness bound over the traced program (see `analysis.memory_analysis`); after `compile()`,
+        `Compiled.memory_analysis()` reads the compiled program's own buffers and is much closer.
+        """
         p = self._program
-        aliased = [gi for gi, leaf in enumerate(p.graph_input_leaves) if leaf in p.donation.donated_inputs]
-        return analysis.memory_analysis(p.graph_module, aliased)
+        return analysis.memory_analysis(p.graph_module, _aliased_graph_inputs(p))
 
     def saved_activations(self) -> list[dict[str, Any]]:
         """What the forward keeps for the backward: name, type, bytes, the op (or argument) and source line."""
@@ -108,7 +115,9 @@ class Lowered:
         return rows
 
     def compile(self) -> Compiled:
-        """Compile with the chosen backend (Inductor compiles here, once)."""
+        """Compile with the chosen backend (Inductor compiles here, once; later calls return that result)."""
+        if self._compiled is not None:
+            return self._compiled
         p = self._program
         examples = self._example_inputs
         if examples is None:  # released after an earlier compile: rebuild from the traced metadata
@@ -116,18 +125,31 @@ class Lowered:
                 torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
                 for v in (n.meta["val"] for n in p.graph_module.graph.nodes if n.op == "placeholder")
             ]
-        runner = compile_program(p.graph_module, examples, p.backend)
+        scalar_inputs = {gi: p.scalar_dtypes[i] for gi, i in enumerate(p.graph_input_leaves) if i in p.scalar_dtypes}
+        if p.cuda_graphs:  # refuse before the long compile
+            device = check_capturable(p.name, p.graph_module, examples, p.graph_input_labels(), list(scalar_inputs))
+        with inductor_output_code() as sources:
+            runner = compile_program(p.graph_module, examples, p.backend)
+        if p.cuda_graphs:
+            runner = CUDAGraphRunner(runner, p.name, device, _aliased_graph_inputs(p), scalar_inputs)
         # Holding the example arguments would keep the caller's first batch (and old buffers) alive.
         self._example_inputs = None
-        return Compiled(self, runner)
+        programs = [src for src in sources if "def call(" in src]
+        self._compiled = Compiled(self, runner, programs[-1] if len(programs) == 1 else None)
+        return self._compiled
 
 
 class Compiled:
     """A compiled step for one input signature: call it like the original function."""
 
-    def __init__(self, lowered: Lowered, runner: Callable[..., Sequence[torch.Tensor]]):
+    def __init__(
+        self, lowered: Lowered, runner: Callable[..., Sequence[torch.Tensor]], wrapper_source: str | None = None
+    ):
         self.lowered = lowered
         self._runner = runner
+        self._graphed = isinstance(runner, CUDAGraphRunner)
+        self._wrapper_source = wrapper_source  # Inductor's generated Python for the program, if compiled by it
+        self._memory: dict[str, int] | None = None
         p = lowered._program
         self._program = p
         self._aliased_input_of = {j: p.graph_input_leaves.index(i) for j, i in p.donation.aliases.items()}
@@ -144,7 +166,22 @@ class Compiled:
         return self.lowered.cost_analysis()
 
     def memory_analysis(self) -> dict[str, int]:
-        return self.lowered.memory_analysis()
+        """Bytes of arguments, outputs, donated buffers, temporaries and peak of the compiled program.
+
+        For an Inductor program, read from the code Inductor generated (after fusion and buffer reuse, see
+        `pt3func.runtime.inductor_memory`); `peak_bytes` then estimates `torch.cuda.max_memory_allocated`
+        of a call. For the eager backend, the traced program's liveness estimate (`Lowered.memory_analysis`).
+        """
+        if self._memory is None:
+            p = self._program
+            self._memory = analysis.memory_analysis(p.graph_module, _aliased_graph_inputs(p))
+            if self._wrapper_source is not None:
+                compiled = analysis.compiled_memory_analysis(
+                    p.graph_module, _aliased_graph_inputs(p), self._wrapper_source
+                )
+                if compiled is not None:
+                    self._memory = compiled
+        return self._memory
 
     def donation_report(self) -> list[dict[str, Any]]:
         return self.lowered.donation_report()
@@ -181,13 +218,14 @@ class Compiled:
             leaf = leaves[i]
             if kind == "dtensor":
                 leaf = leaf._local_tensor
-            elif kind == "scalar":
+            elif kind == "scalar" and not self._graphed:  # a graph fills its own scalar buffer
                 leaf = torch.tensor(leaf, dtype=p.scalar_dtypes[i], device=p.scalar_device)
             inputs.append(leaf)
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without the context manager's cost
         try:
-            outs = self._runner(*inputs)
+            # A CUDA graph swaps each donated input in `inputs` for the captured buffer holding its new value.
+            outs = self._runner.run(inputs) if self._graphed else self._runner(*inputs)
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         out_leaves: list[Any] = [None] * p.out_treedef.num_leaves
@@ -202,6 +240,12 @@ class Compiled:
         for i in self._invalidate:
             invalidate(leaves[i], self._where)
         return tree.unflatten(p.out_treedef, out_leaves)
+
+
+def _aliased_graph_inputs(p: Program) -> list[int]:
+    """Graph input indices of the donated leaves whose buffers an output reuses."""
+    leaves = p.donation.donated_inputs
+    return [gi for gi, leaf in enumerate(p.graph_input_leaves) if leaf in leaves]
 
 
 def _check_donation_overlap(p: Program, leaves: list[Any]) -> None:
