@@ -16,6 +16,7 @@ from pt3func.errors import (
 )
 from pt3func.jitted import Jitted, jit
 from pt3func.module import Apply, functionalize
+from pt3func.remat import checkpoint, checkpoint_name, checkpoint_policies, remat
 from pt3func.sharding import (
     Mesh,
     NamedSharding,
@@ -59,7 +60,11 @@ __all__ = [
     "Lowered",
     "ShardingError",
     "TracingError",
+    "checkpoint",
+    "checkpoint_name",
+    "checkpoint_policies",
     "checkpointing",
+    "remat",
     "compress",
     "config",
     "functionalize",

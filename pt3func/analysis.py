@@ -251,7 +251,8 @@ _METADATA_ONLY = {
 
 def _in_backward(node: fx.Node) -> bool:
     why = (node.meta.get("custom") or {}).get("pt3func", "")
-    return why.startswith(("backward of", "grad of"))
+    # "remat of" / "reload of": copies the remat pass puts into the backward (passes/remat.py).
+    return why.startswith(("backward of", "grad of", "remat of", "reload of"))
 
 
 def saved_activations(gm: fx.GraphModule, input_names: Sequence[str]) -> list[dict[str, Any]]:

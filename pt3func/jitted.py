@@ -17,6 +17,8 @@ from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.overlap import sink_waits
+from pt3func.passes.remat import remat_notes, rematerialize
+from pt3func.passes.remat_budget import fit_memory_budget
 from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
@@ -58,18 +60,13 @@ class Jitted:
     ):
         if backend not in BACKENDS:
             raise ValueError(f"pf.jit: unknown backend {backend!r}; choose one of {BACKENDS}")
-        if memory_budget is not None and not 0.0 <= memory_budget <= 1.0:
+        budget_ok = isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
+        if memory_budget is not None and not (budget_ok and 0 <= memory_budget <= 1):
             raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {memory_budget}")
         if grad_exchange is not None and not isinstance(grad_exchange, Format):
             raise TypeError(
                 f"pf.jit: grad_exchange must be a pf.compress format (pf.compress.int8(), ...), got {grad_exchange!r}"
             )
-        # Accepted by the signature (the API contract) but not built yet: refuse rather than ignore them.
-        for name, value in (("memory_budget", memory_budget),):
-            if value is not None:
-                raise NotImplementedError(
-                    f"pf.jit({name}=...) is not implemented yet (README, 'Status'); leave it None for now"
-                )
         self.fn = fn
         self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
         self._spec = ArgSpec.build(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
@@ -240,6 +237,10 @@ class Jitted:
         capture.check_no_input_mutation(gm, graph_labels, self.name)
         if self.grad_exchange is not None:
             gm = _rewrite_grad_exchange(self.name, gm, self.grad_exchange, treedef, out_info, graph_input_leaves)
+        # Remat before donation: it reasons about a pure graph (donation's in-place copies come last).
+        gm = rematerialize(gm)
+        if self.memory_budget is not None:
+            gm = fit_memory_budget(gm, float(self.memory_budget))
 
         out_treedef = out_info["treedef"]
         out_leaves = out_info["leaves"]
@@ -293,7 +294,7 @@ class Jitted:
             spec=spec,
             key=key,
             dtensor_out=dtensor_out,
-            notes=lower.collective_notes(gm),
+            notes={**lower.collective_notes(gm), **remat_notes(gm)},
         )
         self._seen.append((treedef, labels, descriptions))
         return Lowered(program, example_inputs)

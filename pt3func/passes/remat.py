@@ -1,0 +1,432 @@
+"""Rematerialisation pass: recompute saved activations in the backward instead of keeping them.
+
+The traced step is one graph holding forward, backward and optimizer. Backward nodes carry
+`meta["custom"]["pt3func"]` starting "backward of" / "grad of"; a *saved activation* is a forward value read
+by a backward node, and it stays alive from the forward until that read. `pf.checkpoint` marks the nodes of
+its region at trace time (`REGION_KEY`, `POLICY_KEY` in `meta["custom"]`) and `pf.checkpoint_name` tags the
+node producing a value (`NAME_KEY`). This pass turns those marks into a *recompute set*; `apply_remat`
+copies, for each backward read of a recomputed value, the chain of forward ops that produce it from values
+that are kept (region inputs, values the policy saves, values that cannot be recomputed) and inserts the
+copies just before the first backward read, so the forward value dies as soon as the forward is done with it.
+
+Never recomputed (always kept when the backward needs them):
+- random ops (`torch.Tag.nondeterministic_seeded`: the dropout mask): the backward sees the same random
+  numbers as without remat, and no RNG state has to be replayed;
+- collectives and their waits, unless the region asked for it (`recompute_collectives=True`);
+- ops that write in place, and ops reading a buffer that some op writes after them (their inputs change);
+- graph inputs and constants (alive anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+REGION_KEY = "pt3func_remat"  # "3" or "1/3" (nested): the checkpoint region a forward node was recorded in
+POLICY_KEY = "pt3func_remat_policy"  # Policy.as_meta() of that (innermost) region
+NAME_KEY = "pt3func_names"  # names given by pf.checkpoint_name to the value this node produces
+COLLECTIVES_KEY = "pt3func_remat_collectives"  # the region lets its collectives be recomputed
+
+SAVE, RECOMPUTE, OFFLOAD = "save", "recompute", "offload"
+
+_BACKWARD_PREFIXES = ("backward of", "grad of", "remat of", "reload of")
+
+# Matrix products: what `dots_saveable` keeps (JAX's dot_general).
+DOTS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten._scaled_mm.default,
+    }
+)
+
+# Ops that read only their input's shape and dtype: a backward use by them keeps no value alive.
+_METADATA_ONLY = {
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.full_like.default,
+}
+
+_C10D = "_c10d_functional"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a checkpoint region keeps for the backward; the rest of the region is recomputed.
+
+    kind: "everything_saveable" | "nothing_saveable" | "dots_saveable" | "save_only_these_names" |
+    "offload_to_host"; `names` for the last two. Build them through `pf.checkpoint_policies`.
+    """
+
+    kind: str
+    names: tuple[str, ...] = ()
+
+    KINDS = ("everything_saveable", "nothing_saveable", "dots_saveable", "save_only_these_names", "offload_to_host")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"unknown checkpoint policy {self.kind!r}; choose one of {self.KINDS}")
+        for name in self.names:
+            if not isinstance(name, str):
+                raise TypeError(f"checkpoint policy {self.kind}: names must be strings, got {name!r}")
+
+    def __repr__(self) -> str:
+        named = self.kind in ("save_only_these_names", "offload_to_host")
+        args = f"({', '.join(map(repr, self.names))})" if named else ""
+        return f"checkpoint_policies.{self.kind}{args}"
+
+    def as_meta(self) -> tuple:
+        return (self.kind, self.names)
+
+    @classmethod
+    def from_meta(cls, meta: tuple) -> Policy:
+        kind, names = meta
+        return cls(kind, tuple(names))
+
+    def decide(self, node: fx.Node) -> str:
+        """SAVE, RECOMPUTE or OFFLOAD for a forward node of the region (before recomputability is checked)."""
+        if self.kind == "everything_saveable":
+            return SAVE
+        if self.kind == "nothing_saveable":
+            return RECOMPUTE
+        if self.kind == "dots_saveable":
+            return SAVE if _producer(node).target in DOTS else RECOMPUTE
+        named = bool(set(names_of(node)) & set(self.names))
+        if self.kind == "save_only_these_names":
+            return SAVE if named else RECOMPUTE
+        return OFFLOAD if named else RECOMPUTE  # offload_to_host: named values go to host, the rest is recomputed
+
+
+def custom(node: fx.Node) -> dict:
+    return node.meta.get("custom") or {}
+
+
+def is_backward(node: fx.Node) -> bool:
+    return str(custom(node).get("pt3func", "")).startswith(_BACKWARD_PREFIXES)
+
+
+def names_of(node: fx.Node) -> tuple[str, ...]:
+    return tuple(custom(node).get(NAME_KEY, ()))
+
+
+def add_name(node: fx.Node, name: str) -> None:
+    """Tag `node` with a checkpoint name (copy-on-write: nodes of one trace region share their custom dict)."""
+    meta = dict(custom(node))
+    meta[NAME_KEY] = tuple(dict.fromkeys((*meta.get(NAME_KEY, ()), name)))
+    node.meta["custom"] = meta
+
+
+def region_of(node: fx.Node) -> str | None:
+    return custom(node).get(REGION_KEY)
+
+
+def policy_of(node: fx.Node) -> Policy | None:
+    meta = custom(node).get(POLICY_KEY)
+    return Policy.from_meta(meta) if meta is not None else None
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The op behind a `getitem` of a multi-output op (its decision is the op's)."""
+    return node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
+
+
+def _writes(node: fx.Node) -> list[fx.Node]:
+    """Node arguments the op writes in place."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node):
+                out.append(value)
+    return out
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """The node owning the storage `node` reads: through views and in-place ops."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and _aliases_input(node):
+        node = node.args[0]
+    return node
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and _aliases_input(node) and not _writes(node)
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == _C10D
+
+
+def is_random(node: fx.Node) -> bool:
+    """An op that draws random numbers. Attention kernels carry the tag for their dropout; with
+    `dropout_p=0` they draw nothing and recompute exactly."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return value != 0
+    return True
+
+
+class Recomputability:
+    """Which forward nodes may be computed a second time with the same result."""
+
+    def __init__(self, graph: fx.Graph, allow_collectives: bool | Iterable[fx.Node] = False):
+        nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(nodes)}
+        # Last in-place write into each storage: a node reading that storage before the write would read
+        # another value when recomputed after it.
+        self.last_write: dict[fx.Node, int] = {}
+        for n in nodes:
+            if n.op == "call_function":
+                for target in _writes(n):
+                    root = alias_root(target)
+                    self.last_write[root] = max(self.last_write.get(root, -1), self.order[n])
+        self.allow_collectives = allow_collectives
+        self._cache: dict[fx.Node, bool] = {}
+
+    def collectives_allowed(self, node: fx.Node) -> bool:
+        allowed = self.allow_collectives
+        if isinstance(allowed, bool):
+            return allowed
+        return node in allowed
+
+    def __call__(self, node: fx.Node) -> bool:
+        hit = self._cache.get(node)
+        if hit is None:
+            hit = self._cache[node] = self._check(node)
+        return hit
+
+    def _check(self, node: fx.Node) -> bool:
+        if node.op != "call_function":
+            return False  # placeholders and constants are alive anyway
+        if node.target is operator.getitem:
+            return isinstance(node.args[0], fx.Node) and self(node.args[0])
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return False
+        if is_random(node) or _writes(node):
+            return False
+        if is_collective(node) and not self.collectives_allowed(node):
+            return False
+        if torch.Tag.nondeterministic_bitwise in node.target.tags and not is_collective(node):
+            return False  # e.g. index_add with atomics: a second run may differ in the last bits
+        position = self.order[node]
+        reads = list(node.all_input_nodes)
+        for inp in reads:
+            if self.last_write.get(alias_root(inp), -1) > position:
+                return False
+        return True
+
+
+def needed_by_backward(graph: fx.Graph) -> list[fx.Node]:
+    """Forward nodes a backward node reads (other than for its shape), in graph order."""
+    out = []
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "call_function", "get_attr") or is_backward(node):
+            continue
+        if any(is_backward(u) and u.target not in _METADATA_ONLY for u in node.users):
+            out.append(node)
+    return out
+
+
+@dataclass
+class RematPlan:
+    """Forward nodes to recompute in the backward, and forward nodes to keep on the host meanwhile."""
+
+    recompute: set[fx.Node]
+    offload: set[fx.Node]
+
+    def __bool__(self) -> bool:
+        return bool(self.recompute or self.offload)
+
+
+def _outer(region: str | None) -> str | None:
+    return region.split("/")[0] if region else None
+
+
+def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
+    """The recompute (and offload) set the `pf.checkpoint` regions of `gm` ask for.
+
+    A region's inputs (values from outside it) are always kept, as in JAX: the chain that recomputes a
+    value stops at them, so consecutive checkpointed blocks each recompute only themselves.
+    """
+    graph = gm.graph
+    if not any(region_of(n) for n in graph.nodes):
+        return RematPlan(set(), set())
+    roots = needed_by_backward(graph)
+    flagged = any(custom(n).get(COLLECTIVES_KEY) for n in graph.nodes)
+    gathered = _gathered_inputs(graph) if flagged else set()
+    allowed = {n for n in graph.nodes if is_collective(n) and custom(n).get(COLLECTIVES_KEY)}
+    can = Recomputability(graph, allowed | {n for n in gathered if is_collective(n)})
+
+    def decision(node: fx.Node) -> str:
+        policy = policy_of(node)
+        if policy is None or region_of(node) is None or is_backward(node):
+            return SAVE
+        if node.target is operator.getitem and not names_of(node):
+            parent = _producer(node)
+            choice = policy.decide(parent) if policy_of(parent) == policy else SAVE
+        else:
+            choice = policy.decide(node)
+        if choice == RECOMPUTE and not can(node):
+            return SAVE
+        if choice == OFFLOAD and not _on_accelerator(node):
+            return SAVE  # host memory is where it already is
+        return choice
+
+    pinned: set[fx.Node] = set()
+    while True:
+        recompute: set[fx.Node] = set()
+        boundary: set[fx.Node] = set()
+        stack = [n for n in roots if n not in pinned and decision(n) == RECOMPUTE]
+        while stack:
+            node = stack.pop()
+            if node in recompute:
+                continue
+            recompute.add(node)
+            for inp in node.all_input_nodes:
+                if inp in recompute or inp in pinned:
+                    continue
+                if inp in gathered and custom(node).get(COLLECTIVES_KEY) and can(inp):
+                    stack.append(inp)  # FSDP: gather the parameter again rather than keep it gathered
+                    continue
+                if decision(inp) != RECOMPUTE:
+                    continue
+                if _outer(region_of(inp)) != _outer(region_of(node)):
+                    boundary.add(inp)  # an input of this region: kept, not recomputed
+                else:
+                    stack.append(inp)
+        # A value recomputed for its own region's backward that is also another region's input would be
+        # held and recomputed: keep it instead, and recompute from it.
+        new_pins = boundary & recompute
+        if not new_pins:
+            break
+        pinned |= new_pins
+    offload = {n for n in roots if decision(n) == OFFLOAD}
+    return RematPlan(recompute, offload)
+
+
+def _gathered_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Forward values outside any region computed from graph inputs through a collective (FSDP's gathered params).
+
+    Views and casts after the gather count too; a region with `recompute_collectives=True` recomputes them
+    from the local shard instead of keeping the gathered value.
+    """
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or region_of(n) or is_backward(n) or is_random(n) or _writes(n):
+            continue
+        ins = n.all_input_nodes
+        if not ins or not all(i.op in ("placeholder", "get_attr") or i in out for i in ins):
+            continue
+        if is_collective(n) or any(i in out for i in ins):
+            out.add(n)
+    return out
+
+
+def _on_accelerator(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type not in ("cpu", "meta")
+
+
+def apply_remat(gm: fx.GraphModule, plan: RematPlan) -> fx.GraphModule:
+    """Recompute `plan.recompute` (and reload `plan.offload`) right before their first backward read (in place).
+
+    Each recomputed value is copied once; every backward read of it reads the copy. Copies keep the
+    original's meta (stack trace, annotations) with `custom["pt3func"] = "remat of %name"`. An offloaded
+    value is copied to host right after the forward produces it and back right before its first backward read.
+    """
+    if not plan:
+        return gm
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    wanted = plan.recompute | plan.offload
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in [n for n in graph.nodes if is_backward(n)]:
+        if node.target in _METADATA_ONLY:
+            continue
+        reads = [a for a in node.all_input_nodes if a in wanted and a not in copies]
+        if reads:
+            # Everything these reads need that is recomputed and not yet copied, in forward order.
+            needed: set[fx.Node] = set()
+            stack = list(reads)
+            while stack:
+                n = stack.pop()
+                if n in needed or n in copies:
+                    continue
+                needed.add(n)
+                if n in plan.recompute:
+                    stack.extend(i for i in n.all_input_nodes if i in wanted)
+            with graph.inserting_before(node):
+                for n in sorted(needed, key=order.__getitem__):
+                    copies[n] = _reload(graph, n) if n not in plan.recompute else _recompute(graph, n, copies)
+        for inp in list(node.all_input_nodes):
+            if inp in copies:
+                node.replace_input_with(inp, copies[inp])
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _recompute(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node]) -> fx.Node:
+    dup = graph.node_copy(node, lambda a: copies.get(a, a))
+    dup.meta = {**node.meta, "custom": {**custom(node), "pt3func": f"remat of %{node.name}"}}
+    return dup
+
+
+def _reload(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """Host copy of `node` right after it, and its copy back to the device here (the graph's insert point)."""
+    from pt3func.passes.remat_offload import OFFLOAD as offload_op
+    from pt3func.passes.remat_offload import RELOAD as reload_op
+
+    val = node.meta["val"]
+    reload = graph.call_function(reload_op, (node, str(val.device)))
+    with graph.inserting_after(node):
+        host = graph.call_function(offload_op, (node,))
+    host.meta = {**node.meta, "custom": {**custom(node), "pt3func": f"offload of %{node.name}"}}
+    host.meta["val"] = _fake_like(val, torch.device("cpu"))
+    reload.replace_input_with(node, host)
+    reload.meta = {**node.meta, "custom": {**custom(node), "pt3func": f"reload of %{node.name}"}}
+    reload.meta["val"] = _fake_like(val, val.device)
+    return reload
+
+
+def _fake_like(val: torch.Tensor, device: torch.device) -> torch.Tensor:
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([val])
+    with mode if mode is not None else contextlib.nullcontext():
+        return torch.empty(val.shape, dtype=val.dtype, device=device)
+
+
+def rematerialize(gm: fx.GraphModule) -> fx.GraphModule:
+    """The pass `pf.jit` runs: apply what the `pf.checkpoint` regions of the traced step ask for."""
+    return apply_remat(gm, plan_from_policies(gm))
+
+
+def remat_notes(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """For `as_text()`: which nodes are recomputed, offloaded or reloaded copies."""
+    notes = {}
+    for node in gm.graph.nodes:
+        why = str(custom(node).get("pt3func", ""))
+        if why.startswith(("remat of", "reload of", "offload of")):
+            notes[node] = why.upper().split(" ", 1)[0] + " " + why.split(" ", 1)[1]
+    return notes

@@ -1,0 +1,513 @@
+"""Rematerialisation: pf.checkpoint policies, memory_budget, offload; numbers always equal to no remat."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+import pt3func as pf
+from pt3func.passes.remat import (
+    NAME_KEY,
+    POLICY_KEY,
+    REGION_KEY,
+    Policy,
+    alias_root,
+    apply_remat,
+    is_random,
+    plan_from_policies,
+    rematerialize,
+)
+from pt3func.passes.remat_budget import plan_budget, saved_bytes
+from pt3func.passes.remat_offload import OFFLOAD, RELOAD
+
+CP = pf.checkpoint_policies
+D, HEADS, FF = 16, 2, 32
+
+
+def init_params(n_blocks: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    return [{"ln": torch.ones(D), "qkv": w(D, 3 * D), "proj": w(D, D), "fc": w(D, FF), "out": w(FF, D)}
+            for _ in range(n_blocks)]
+
+
+def block(x: torch.Tensor, p: dict, dropout: float = 0.1) -> torch.Tensor:
+    b, s, _ = x.shape
+    h = F.layer_norm(x, (D,), p["ln"])
+    qkv = pf.checkpoint_name(h @ p["qkv"], "qkv")
+    q, k, v = qkv.view(b, s, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + y.transpose(1, 2).reshape(b, s, D) @ p["proj"]
+    h = pf.checkpoint_name(F.layer_norm(x, (D,)) @ p["fc"], "mlp_in")
+    h = F.dropout(F.gelu(h), dropout, training=True)
+    return x + h @ p["out"]
+
+
+def make_step(policy: Policy | None | str = "none", dropout: float = 0.1, **checkpoint_kwargs):
+    """An AdamW step over a 2-block transformer; each block checkpointed with `policy` ("none": no checkpoint)."""
+    opt = pf.optim.adamw(1e-2, weight_decay=0.01)
+    run_block = functools.partial(block, dropout=dropout)
+    if policy != "none":
+        run_block = pf.checkpoint(run_block, policy, **checkpoint_kwargs)
+
+    def loss_fn(params, x, y):
+        for p in params:
+            x = run_block(x, p)
+        return F.mse_loss(x, y)
+
+    def step(params, opt_state, x, y):
+        loss, grads = pf.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return pf.optim.apply_updates(params, updates), opt_state, loss
+
+    return step, opt
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2, 8, D, generator=g), torch.randn(2, 8, D, generator=g)
+
+
+def train(step_fn, opt, steps: int = 3, **jit_kwargs):
+    """`steps` jitted steps (each seeded, so dropout draws the same masks every run); losses and params."""
+    params = init_params()
+    opt_state = opt.init(params)
+    step = pf.jit(step_fn, **jit_kwargs)
+    x, y = data()
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(i)
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(loss)
+    return torch.stack(losses), params, step.lower(params, opt_state, x, y)
+
+
+def assert_same(a, b):
+    for u, v in zip(pf.tree.leaves(a), pf.tree.leaves(b)):
+        torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@functools.cache
+def reference(backend: str):
+    losses, params, lowered = train(*make_step("none"), backend=backend)
+    return losses, params, lowered
+
+
+POLICIES = {
+    "everything": CP.everything_saveable,
+    "nothing": CP.nothing_saveable,
+    "default": None,
+    "dots": CP.dots_saveable,
+    "names": CP.save_only_these_names("qkv", "mlp_in"),
+    "offload": CP.offload_to_host("mlp_in"),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_gives_the_same_numbers_eager_backend(name):
+    losses, params, _ = train(*make_step(POLICIES[name]), backend="eager")
+    ref_losses, ref_params, _ = reference("eager")
+    assert_same(losses, ref_losses)  # dropout included: the masks are kept, never drawn again
+    assert_same(params, ref_params)
+
+
+@pytest.mark.parametrize("name", ["nothing", "dots"])
+def test_policy_gives_the_same_numbers_inductor(name):
+    losses, params, lowered = train(*make_step(POLICIES[name]), backend="inductor")
+    ref_losses, ref_params, _ = reference("inductor")
+    assert_same(losses, ref_losses)
+    assert_same(params, ref_params)
+
+
+def _saved_nodes(lowered) -> list[fx.Node]:
+    by_name = {n.name: n for n in lowered.graph_module.graph.nodes}
+    return [by_name[row["name"]] for row in lowered.saved_activations()]
+
+
+def _in_region(node: fx.Node) -> bool:
+    return bool((node.meta.get("custom") or {}).get(REGION_KEY))
+
+
+def _random(node: fx.Node) -> bool:
+    """The dropout mask: a random op, or the buffer one filled (bernoulli_ writes into an empty_like)."""
+    root = alias_root(node)
+    return is_random(node) or is_random(root) or any(is_random(u) for u in root.users)
+
+
+def _lower(policy) -> pf.Lowered:
+    step, opt = make_step(policy)
+    params = init_params()
+    return pf.jit(step, backend="eager").lower(params, opt.init(params), *data())
+
+
+def _region_saved(policy) -> list[fx.Node]:
+    """Saved values computed inside a region: not dropout masks, not the input of the next block's region."""
+
+    def next_region_input(n):
+        return any(_in_region(u) and _region(u) != _region(n) for u in n.users)
+
+    return [n for n in _saved_nodes(_lower(policy)) if _in_region(n) and not _random(n) and not next_region_input(n)]
+
+
+def _region(node: fx.Node) -> str | None:
+    return (node.meta.get("custom") or {}).get(REGION_KEY)
+
+
+def test_nothing_saveable_keeps_only_region_inputs_and_masks():
+    assert _region_saved(CP.nothing_saveable) == []
+    saved = _saved_nodes(_lower(CP.nothing_saveable))
+    assert any(_random(n) and _in_region(n) for n in saved)  # each block's dropout mask is kept
+    assert _saved_bytes(_lower(CP.nothing_saveable)) < _saved_bytes(_lower("none"))
+
+
+def _saved_bytes(lowered) -> int:
+    return sum(r["bytes"] for r in lowered.saved_activations())
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = node.meta["val"]
+    return v.numel() * v.element_size()
+
+
+def test_dots_saveable_keeps_matmul_outputs():
+    saved = _region_saved(CP.dots_saveable)
+    assert saved and all(alias_root(n).target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+                         for n in saved)
+    everything = _region_saved(CP.everything_saveable)
+    assert len(everything) > len(saved)
+
+
+def test_save_only_these_names_keeps_exactly_the_named():
+    saved = _region_saved(CP.save_only_these_names("mlp_in"))
+    assert saved and all("mlp_in" in (n.meta["custom"].get(NAME_KEY) or ()) for n in saved)
+    assert len(saved) == 2  # one per block
+    both = _region_saved(CP.save_only_these_names("qkv", "mlp_in"))
+    assert {name for n in both for name in n.meta["custom"][NAME_KEY]} == {"qkv", "mlp_in"}
+
+
+def test_everything_saveable_changes_nothing():
+    assert _lower(CP.everything_saveable).as_text().count("REMAT") == 0
+    assert [r["bytes"] for r in _lower(CP.everything_saveable).saved_activations()] == [
+        r["bytes"] for r in _lower("none").saved_activations()
+    ]
+
+
+def test_recomputed_copies_are_shown():
+    text = _lower(CP.nothing_saveable).as_text()
+    assert "REMAT of %" in text
+    random_ops = [n for n in _lower(CP.nothing_saveable).graph_module.graph.nodes if is_random(n)]
+    assert len(random_ops) == len([n for n in _lower("none").graph_module.graph.nodes if is_random(n)]) == 2
+
+
+def test_recomputation_survives_inductor():
+    """Inductor must not merge the recomputed matmuls back into the forward ones (CSE) or drop them."""
+    from torch._inductor.utils import run_and_get_code
+
+    def count_mm(policy):
+        lowered = _lower_inductor(policy)
+        _, (code, *_) = run_and_get_code(lowered.compile)
+        body = code[code.index("def call("):]
+        return body.count("extern_kernels.mm(") + body.count("extern_kernels.addmm(") + body.count(
+            "extern_kernels.bmm(")
+
+    assert count_mm(CP.nothing_saveable) > count_mm("none")
+
+
+def _lower_inductor(policy):
+    step, opt = make_step(policy, dropout=0.0)
+    params = init_params()
+    return pf.jit(step).lower(params, opt.init(params), *data())
+
+
+def test_eager_checkpoint_outside_jit_gives_the_same_numbers():
+    params = init_params()
+    x, y = data()
+
+    def loss_and_grads(policy):
+        run = functools.partial(block, dropout=0.1)
+        if policy != "none":
+            run = pf.checkpoint(run, policy)
+
+        def loss_fn(ps):
+            h = x
+            for p in ps:
+                h = run(h, p)
+            return F.mse_loss(h, y)
+
+        torch.manual_seed(0)
+        return pf.value_and_grad(loss_fn)(params)
+
+    ref = loss_and_grads("none")
+    for policy in POLICIES.values():
+        assert_same(loss_and_grads(policy), ref)
+
+
+def test_memory_budget_shrinks_saved_bytes_monotonically():
+    step, opt = make_step("none")
+    params = init_params()
+    x, y = data()
+    sizes = []
+    for budget in (1.0, 0.5, 0.0):
+        lowered = pf.jit(step, memory_budget=budget, backend="eager").lower(params, opt.init(params), x, y)
+        sizes.append(_saved_bytes(lowered))
+        if budget < 1.0:
+            assert "REMAT of" in lowered.as_text()
+    assert sizes[0] > sizes[1] > sizes[2]
+    ref_losses, ref_params, ref_lowered = reference("eager")
+    assert sizes[0] == _saved_bytes(ref_lowered)
+    for budget in (0.5, 0.0):
+        losses, params_out, _ = train(step, opt, memory_budget=budget, backend="eager")
+        assert_same(losses, ref_losses)
+        assert_same(params_out, ref_params)
+
+
+def test_memory_budget_meets_its_target_on_the_pass():
+    step, opt = make_step("none")
+    params = init_params()
+    gm = pf.jit(step, backend="eager").lower(params, opt.init(params), *data()).graph_module
+    before = saved_bytes(gm.graph)
+    masks = sum(_nbytes(n) for n in gm.graph.nodes if n.target is torch.ops.aten.empty_like.default
+                and any(is_random(u) for u in n.users))
+    for budget in (0.75, 0.5, 0.25):
+        plan = plan_budget(gm, budget)
+        assert plan.recompute
+    import copy
+
+    for budget in (0.75, 0.5):
+        g2 = copy.deepcopy(gm)
+        apply_remat(g2, plan_budget(g2, budget))
+        assert saved_bytes(g2.graph) <= budget * before
+    g0 = copy.deepcopy(gm)
+    apply_remat(g0, plan_budget(g0, 0.0))
+    assert saved_bytes(g0.graph) == masks  # only what cannot be recomputed: the dropout masks
+
+
+def test_memory_budget_with_inductor_gives_the_same_numbers():
+    losses, params, _ = train(*make_step("none"), memory_budget=0.5, backend="inductor")
+    ref_losses, ref_params, _ = reference("inductor")
+    assert_same(losses, ref_losses)
+    assert_same(params, ref_params)
+
+
+# --- the pass alone, on hand-made graphs --------------------------------------------------------------------
+
+aten = torch.ops.aten
+
+
+def _graph(policy: Policy, device: str = "cpu", collective: bool = False):
+    """x -> mm -> relu -> (named) mul -> sum, in a region; a backward that reads relu and mul."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        xv, wv = torch.empty(4, 4, device=device), torch.empty(4, 4, device=device)
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["val"], w.meta["val"] = xv, wv
+    region = {REGION_KEY: "1", POLICY_KEY: policy.as_meta()}
+
+    def op(target, *args, custom=None):
+        node = g.call_function(target, args)
+        with mode:
+            node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        node.meta["custom"] = dict(custom or region)
+        return node
+
+    mm = op(aten.mm.default, x, w)
+    if collective:
+        reduced = op(torch.ops._c10d_functional.all_reduce.default, mm, "sum", "0")
+        mm = op(torch.ops._c10d_functional.wait_tensor.default, reduced)
+    relu = op(aten.relu.default, mm)
+    mul = op(aten.mul.Tensor, relu, relu)
+    mul.meta["custom"][NAME_KEY] = ("act",)
+    loss = op(aten.sum.default, mul, custom={})
+    bwd = {"pt3func": "backward of value_and_grad(f)"}
+    grad = op(aten.ones_like.default, loss, custom=bwd)
+    g1 = op(aten.mul.Tensor, grad, mul, custom=bwd)
+    g2 = op(aten.threshold_backward.default, g1, relu, 0, custom=bwd)
+    g.output((loss, g2))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_pass_recomputes_chain_before_first_backward_use():
+    gm = rematerialize(_graph(CP.nothing_saveable))
+    nodes = list(gm.graph.nodes)
+    copies = [n for n in nodes if str(n.meta.get("custom", {}).get("pt3func", "")).startswith("remat of")]
+    # mm, relu and mul are recomputed from x and w, once each, after the backward starts
+    assert [c.target for c in copies] == [aten.mm.default, aten.relu.default, aten.mul.Tensor]
+    first_backward = next(n for n in nodes if n.target is aten.ones_like.default)
+    assert all(nodes.index(c) > nodes.index(first_backward) for c in copies)
+    backward_mul = next(n for n in nodes if n.target is aten.mul.Tensor and n.args[0].target is aten.ones_like.default)
+    assert backward_mul.args[1] is copies[2]
+    assert copies[0].meta["custom"][REGION_KEY] == "1"  # annotations kept on copies
+
+
+def test_pass_keeps_what_the_policy_saves():
+    gm = rematerialize(_graph(CP.save_only_these_names("act")))
+    recomputed = [n.target for n in gm.graph.nodes if "remat of" in str(n.meta.get("custom", {}).get("pt3func"))]
+    assert recomputed == [aten.mm.default, aten.relu.default]  # mul (named "act") is kept
+    assert _targets(rematerialize(_graph(CP.everything_saveable))).count(aten.mm.default) == 1
+
+
+def test_pass_never_recomputes_collectives_by_default():
+    gm = _graph(CP.nothing_saveable, collective=True)
+    plan = plan_from_policies(gm)
+    assert not any(n.target is torch.ops._c10d_functional.all_reduce.default for n in plan.recompute)
+    assert not any(n.target is aten.mm.default for n in plan.recompute)  # the chain stops at the wait
+    rematerialize(gm)
+    assert _targets(gm).count(torch.ops._c10d_functional.all_reduce.default) == 1
+
+
+def test_pass_never_recomputes_random_ops():
+    def f(x):
+        return torch.nn.functional.dropout(x.sin(), 0.5, training=True).cos().sum()
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4))
+    region = {REGION_KEY: "1", POLICY_KEY: CP.nothing_saveable.as_meta()}
+    bwd = {"pt3func": "backward of f"}
+    for node in gm.graph.nodes:
+        node.meta["custom"] = dict(region)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    cos = next(n for n in gm.graph.nodes if n.target is aten.cos.default)
+    with gm.graph.inserting_before(out):
+        grad = gm.graph.call_function(aten.sin.default, (cos.args[0],))  # a "backward" read of the dropout output
+    grad.meta = {"custom": bwd, "val": cos.meta["val"]}
+    out.args = ((out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0], grad),)
+    gm.recompile()
+    plan = plan_from_policies(gm)
+    assert plan.recompute and not any(is_random(n) for n in plan.recompute)
+    rematerialize(gm)
+    assert sum(map(is_random, gm.graph.nodes)) == 1
+
+
+def test_offload_moves_named_values_to_host_and_back_on_cuda():
+    gm = rematerialize(_graph(CP.offload_to_host("act"), device="cuda"))
+    nodes = list(gm.graph.nodes)
+    targets = [n.target for n in nodes]
+    assert targets.count(OFFLOAD) == 1 and targets.count(RELOAD) == 1
+    host, reload = nodes[targets.index(OFFLOAD)], nodes[targets.index(RELOAD)]
+    mul = host.args[0]
+    assert mul.target is aten.mul.Tensor and nodes.index(host) == nodes.index(mul) + 1  # right after the forward
+    assert host.meta["val"].device.type == "cpu" and reload.meta["val"].device.type == "cuda"
+    assert reload.args[0] is host
+    assert all(u.meta["custom"]["pt3func"].startswith("backward of") for u in reload.users)
+    # the rest of the region is recomputed as usual
+    assert any(str(n.meta.get("custom", {}).get("pt3func", "")).startswith("remat of") for n in nodes)
+
+
+def test_offload_is_a_no_op_on_cpu():
+    gm = rematerialize(_graph(CP.offload_to_host("act")))
+    assert OFFLOAD not in _targets(gm) and RELOAD not in _targets(gm)
+
+
+def test_offload_ops_run():
+    x = torch.randn(3, 4)
+    host = torch.ops.pt3func.offload_to_host(x)
+    assert host.device.type == "cpu" and host.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(torch.ops.pt3func.reload_to_device(host, "cpu"), x)
+
+
+# --- errors -------------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="unknown policy"):
+        pf.checkpoint(block, "dots_saveable")
+    with pytest.raises(ValueError, match="unknown checkpoint policy"):
+        Policy("save_some")
+    with pytest.raises(TypeError, match="must be a string"):
+        pf.checkpoint_name(torch.ones(2), 3)
+    for bad in (1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match="memory_budget"):
+            pf.jit(lambda x: x, memory_budget=bad)
+    assert pf.remat is pf.checkpoint
+    assert repr(CP.save_only_these_names("a")) == "checkpoint_policies.save_only_these_names('a')"
+
+
+def test_checkpoint_name_outside_a_region_is_fine():
+    x = torch.randn(3, requires_grad=True)
+    assert pf.checkpoint_name(x, "a") is x
+
+    def f(x):
+        return pf.checkpoint_name(x.sin(), "a").sum()
+
+    out = pf.jit(lambda x: pf.value_and_grad(f)(x), backend="eager")(x.detach())
+    torch.testing.assert_close(out[1], x.detach().cos())
+
+
+# --- sharded ------------------------------------------------------------------------------------------------
+
+
+def _sharded(rank: int, world: int) -> dict:
+    import spmd_cases
+
+    from pt3func.analysis import collective_kind, is_collective
+
+    def loss_fn(params, x, y, policy, collectives):
+        def mlp(params, x):
+            h = torch.tanh(x @ params["fc1"]["w"] + params["fc1"]["b"])
+            return h @ params["fc2"]["w"]
+
+        return ((pf.checkpoint(mlp, policy, recompute_collectives=collectives)(params, x) - y) ** 2).mean()
+
+    def train_step(params, opt_state, batch, policy=None, collectives=False):
+        loss, grads = pf.value_and_grad(loss_fn)(params, *batch, policy, collectives)
+        updates, opt_state = spmd_cases.OPT.update(grads, opt_state, params)
+        return pf.optim.apply_updates(params, updates), opt_state, loss
+
+    out = {}
+    for case in ("fsdp2", "tp"):
+        shape, axes, specs, _, batch_spec = spmd_cases.CASES[case]
+        mesh = pf.make_mesh((world,), axes)
+        for policy, collectives in ((None, False), (CP.nothing_saveable, False), (CP.nothing_saveable, True)):
+            with pf.set_mesh(mesh):
+                params = pf.device_put(spmd_cases.init_params(), specs)
+                opt_state = pf.jit(spmd_cases.OPT.init, backend="eager")(params)
+                step = pf.jit(functools.partial(train_step, policy=policy, collectives=collectives),
+                              in_shardings=(specs, None, (batch_spec, batch_spec)), backend="eager")
+                lowered = step.lower(params, opt_state, spmd_cases.batches()[0])
+                losses = []
+                for batch in spmd_cases.batches():
+                    params, opt_state, loss = step(params, opt_state, batch)
+                    losses.append(float(pf.device_get(loss)))
+            kinds = [collective_kind(n) for n in lowered.graph_module.graph.nodes if is_collective(n)]
+            out[case, policy is not None, collectives] = {
+                "losses": losses,
+                "params": pf.tree.map(lambda t: t.clone(), pf.device_get(params)),
+                "kinds": sorted(kinds),
+                "remat": lowered.as_text().count("REMAT of"),
+            }
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_remat_keeps_numbers_and_collectives():
+    import spmd_cases
+    from dist import run_world
+
+    results = run_world(2, _sharded)[0]
+    ref_params, ref_losses = spmd_cases.reference()
+    for case in ("fsdp2", "tp"):
+        base = results[case, False, False]
+        remat = results[case, True, False]
+        regather = results[case, True, True]
+        for r in (base, remat, regather):
+            assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+            for a, b in zip(pf.tree.leaves(r["params"]), pf.tree.leaves(ref_params)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert remat["losses"] == base["losses"]
+        assert remat["remat"] > 0
+        assert remat["kinds"] == base["kinds"]  # no collective is issued twice by default
+        # recompute_collectives=True: the forward's gathers / all-reduces are issued again in the backward
+        assert len(regather["kinds"]) > len(base["kinds"])
