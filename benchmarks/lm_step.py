@@ -10,6 +10,9 @@ weight_decay=0.01) from `pf.optim`. The params are a nested dict; the whole step
     python benchmarks/lm_step.py                                  # H200: the anchor's config
     python benchmarks/lm_step.py --no-donate                      # functional update without donation
     python benchmarks/lm_step.py --precision autocast             # torch.autocast instead of in-step casts
+    python benchmarks/lm_step.py --cuda-graphs                    # replay the step as one CUDA graph
+    python benchmarks/lm_step.py --policy dots_saveable           # pf.checkpoint(block, policy) per block
+    python benchmarks/lm_step.py --memory-budget 0.5              # pf.jit(memory_budget=0.5)
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp     # batch sharded
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding fsdp   # + params and state
     python benchmarks/lm_step.py --layers 2 --d 64 --heads 4 --seq 32 --batch 2 --vocab 256 --steps 3 \\
@@ -17,8 +20,10 @@ weight_decay=0.01) from `pf.optim`. The params are a nested dict; the whole step
 
 Prints one JSON line with the anchor's fields (impl, params_m, step_ms, tokens_per_s, mfu, peak_mem_gib, loss)
 plus pf.jit's own: compile_s (first call: trace + Inductor compile + one step), trace_s (`step.lower`),
-n_nodes, and pt3func's `memory_analysis()` peak and `cost_analysis()` flops beside the analytic flops;
-appends the same record to `--out`.
+n_nodes, pt3func's `memory_analysis()` peaks (the compiled program's, and the traced program's bound) with
+their ratios to the measured peak, and `cost_analysis()` flops beside the analytic flops; appends the same
+record to `--out`. With `--max-memory-gib` a step that runs out of memory prints `{"oom": true, ...}` instead
+(benchmarks/memory.py searches the largest batch that fits with it).
 """
 
 from __future__ import annotations
@@ -85,7 +90,54 @@ def parse_args() -> argparse.Namespace:
         "make a tiny step 100x slower)",
     )
     p.add_argument("--out", default=None, help="JSONL file to append the record to (default: results/lm_step_*)")
+    # Memory (benchmarks/memory.py runs this script with these).
+    p.add_argument("--cuda-graphs", action="store_true", help="pf.jit(cuda_graphs=True): replay one CUDA graph")
+    p.add_argument(
+        "--policy",
+        choices=tuple(REMAT_POLICIES),
+        default="none",
+        help="pf.checkpoint(block, policy=...) around every transformer block (none: no remat); see REMAT_POLICIES",
+    )
+    p.add_argument("--memory-budget", type=float, default=None, help="pf.jit(memory_budget=...): automatic remat")
+    p.add_argument(
+        "--max-memory-gib",
+        type=float,
+        default=None,
+        help="cap the process's GPU memory (torch.cuda.set_per_process_memory_fraction) and report an OOM as "
+        '{"oom": true}; on CPU (smoke runs) the compiled program\'s memory_analysis() peak is compared instead',
+    )
+    p.add_argument(
+        "--timing-lock",
+        default=None,
+        help="a file to flock while running and timing: concurrent runs compile in parallel, time one at a time",
+    )
     return p.parse_args()
+
+
+# --policy name -> what each transformer block keeps for the backward (names are tagged in `block`).
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "everything_saveable": lambda: pf.checkpoint_policies.everything_saveable,
+    "nothing_saveable": lambda: pf.checkpoint_policies.nothing_saveable,
+    "dots_saveable": lambda: pf.checkpoint_policies.dots_saveable,
+    # Matmul and attention outputs kept; LayerNorms and GELU recomputed (what AOTAutograd's partitioner
+    # recomputes for torch.compile).
+    "dots_attn_saveable": lambda: pf.checkpoint_policies.save_only_these_names("qkv", "attn", "proj", "fc"),
+    # Everything but the GELU output (the largest cheap value: 4 d per token).
+    "recompute_gelu": lambda: pf.checkpoint_policies.save_only_these_names("ln1", "qkv", "attn", "proj", "ln2", "fc"),
+    # The attention output in pinned host memory; everything else recomputed.
+    "offload": lambda: pf.checkpoint_policies.offload_to_host("attn"),
+}
+
+
+def memory_options(a: argparse.Namespace) -> dict[str, Any]:
+    """pf.jit options from the memory flags (only those given, so older runs' programs are unchanged)."""
+    options: dict[str, Any] = {}
+    if getattr(a, "cuda_graphs", False):
+        options["cuda_graphs"] = True
+    if getattr(a, "memory_budget", None) is not None:
+        options["memory_budget"] = a.memory_budget
+    return options
 
 
 def init_params(a: argparse.Namespace, device: torch.device) -> Params:
@@ -126,14 +178,22 @@ def make_train_step(a: argparse.Namespace, device_type: str) -> tuple[Any, pf.op
     def layer_norm(x: torch.Tensor, p: Params) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], cast(p["weight"]), cast(p["bias"]))
 
+    make_policy = REMAT_POLICIES[getattr(a, "policy", "none")]
+    # Names for the name-based remat policies; without a policy nothing is tagged (the program is unchanged).
+    tag = (lambda x, name: x) if make_policy is None else pf.checkpoint_name
+
     def block(x: torch.Tensor, p: Params) -> torch.Tensor:
         b, s, d = x.shape
-        qkv = F.linear(layer_norm(x, p["ln1"]), cast(p["qkv"]))
+        qkv = tag(F.linear(tag(layer_norm(x, p["ln1"]), "ln1"), cast(p["qkv"])), "qkv")
         q, k, v = qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + F.linear(y.transpose(1, 2).reshape(b, s, d), cast(p["proj"]))
-        h = F.gelu(F.linear(layer_norm(x, p["ln2"]), cast(p["fc"])), approximate="tanh")
+        y = tag(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attn")
+        x = x + tag(F.linear(y.transpose(1, 2).reshape(b, s, d), cast(p["proj"])), "proj")
+        f = tag(F.linear(tag(layer_norm(x, p["ln2"]), "ln2"), cast(p["fc"])), "fc")
+        h = tag(F.gelu(f, approximate="tanh"), "gelu")
         return x + F.linear(h, cast(p["out"]))
+
+    if make_policy is not None:
+        block = pf.checkpoint(block, policy=make_policy())
 
     def forward_loss(params: Params, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         emb = cast(params["emb"])  # cast once: read by the lookup and by the tied unembedding
@@ -191,7 +251,7 @@ def main() -> None:
     params = init_params(a, device)
     assert sum(t.numel() for t in pf.tree.leaves(params)) == n_params, "params differ from the anchor's model"
     train_step, opt = make_train_step(a, device.type)
-    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend)
+    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend, **memory_options(a))
     torch.manual_seed(rank)  # each rank its own batch, as the anchor's DDP
     idx = torch.randint(0, V, (B, S), device=device)
     tgt = torch.randint(0, V, (B, S), device=device)
@@ -206,15 +266,40 @@ def main() -> None:
     else:
         opt_state = opt.init(params)
 
+    precompile_s = None
+    if a.timing_lock or a.max_memory_gib:
+        # Compile before taking the lock (CPU work that concurrent runs may share the machine for).
+        start = time.perf_counter()
+        compiled = step.lower(params, opt_state, idx, tgt).compile()
+        precompile_s = round(time.perf_counter() - start, 2)
+    oom_record = dict(impl="pt3func-jit", oom=True, batch=B, policy=a.policy, memory_budget=a.memory_budget)
+    if a.max_memory_gib and on_cuda:
+        torch.cuda.set_per_process_memory_fraction(
+            min(a.max_memory_gib * 2**30 / torch.cuda.get_device_properties(device).total_memory, 1.0), device
+        )
+    elif a.max_memory_gib and compiled.memory_analysis()["peak_bytes"] > a.max_memory_gib * 2**30:
+        print(json.dumps(dict(oom_record, emulated=True)), flush=True)  # CPU smoke runs: the estimate decides
+        return
+    lock = _hold(a.timing_lock)
     # The anchor's timing: 3 warm-up steps (the first one compiles), then the median of --steps.
     times = []
-    for _ in range(a.steps + 3):
-        sync()
-        start = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, idx, tgt)
-        sync()
-        times.append(time.perf_counter() - start)
+    try:
+        for _ in range(a.steps + 3):
+            sync()
+            start = time.perf_counter()
+            params, opt_state, loss = step(params, opt_state, idx, tgt)
+            sync()
+            times.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError:
+        if not a.max_memory_gib:
+            raise
+        print(json.dumps(oom_record), flush=True)
+        return
+    finally:
+        if lock is not None:
+            lock.close()
     peak = torch.cuda.max_memory_allocated() if on_cuda else None
+    reserved = torch.cuda.max_memory_reserved() if on_cuda else None
     loss = float(pf.device_get(loss))
 
     # lower() traces again, in fake mode (no compute, no memory), for the program's size and analyses.
@@ -222,6 +307,7 @@ def main() -> None:
     lowered = step.lower(params, opt_state, idx, tgt)
     trace_s = time.perf_counter() - start
     memory, cost = lowered.memory_analysis(), lowered.cost_analysis()
+    compiled_memory = lowered.compile().memory_analysis()  # the program the calls ran: not compiled again
 
     med = statistics.median(times[3:])
     record = dict(
@@ -238,6 +324,12 @@ def main() -> None:
         n_nodes=len(lowered.graph_module.graph.nodes),
         pf_peak_mem_gib=round(memory["peak_bytes"] / 2**30, 2),
         pf_peak_bytes=memory["peak_bytes"],
+        pf_compiled_peak_mem_gib=round(compiled_memory["peak_bytes"] / 2**30, 2),
+        pf_compiled_peak_bytes=compiled_memory["peak_bytes"],
+        pf_compiled_peak_over_measured=round(compiled_memory["peak_bytes"] / peak, 3) if on_cuda else None,
+        pf_peak_over_measured=round(memory["peak_bytes"] / peak, 3) if on_cuda else None,
+        peak_reserved_gib=round(reserved / 2**30, 2) if on_cuda else None,
+        precompile_s=precompile_s,
         pf_flops=cost["flops"],
         analytic_flops=flops_per_step,
         pf_flops_over_analytic=round(cost["flops"] / flops_per_step, 4),
@@ -246,6 +338,9 @@ def main() -> None:
         precision=a.precision,
         overlap=a.overlap,
         bucket=a.bucket,
+        cuda_graphs=a.cuda_graphs,
+        policy=a.policy,
+        memory_budget=a.memory_budget,
         comm_bytes=cost["comm_bytes"],
         config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),
         env=environment(),
@@ -254,8 +349,27 @@ def main() -> None:
         torch.distributed.destroy_process_group()
         return
     print(json.dumps(record), flush=True)
+    measured = f"measured {peak / 2**30:.2f} GiB; " if on_cuda else ""
+    print(
+        f"memory: {measured}compiled-program estimate {compiled_memory['peak_bytes'] / 2**30:.2f} GiB"
+        + (f" ({record['pf_compiled_peak_over_measured']}x)" if on_cuda else "")
+        + f"; traced-program bound {memory['peak_bytes'] / 2**30:.2f} GiB"
+        + (f" ({record['pf_peak_over_measured']}x)" if on_cuda else ""),
+        flush=True,
+    )
     out = a.out or RESULTS / f"lm_step_{_device_slug(device)}.jsonl"
     print(f"appended to {append_jsonl(out, record)}")
+
+
+def _hold(path: str | None) -> Any:
+    """An open file holding an exclusive flock on `path` (None without a path); closing it releases it."""
+    if path is None:
+        return None
+    import fcntl
+
+    f = open(path, "a")  # noqa: SIM115 (held open until the timed steps end)
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
 
 
 def _set_inductor_options(options: dict[str, Any]) -> None:
