@@ -231,7 +231,9 @@ class Jitted:
             out_info["preferred"] = preferred
             return flat_out
 
-        with lower.lowering():
+        # The lock covers lowering() too: its preserve_node_meta flag is process-global, and a virtual mesh's rank
+        # threads leaving it mid-trace of another rank would drop that rank's node meta (reasons, remat regions).
+        with capture.TRACE_LOCK, lower.lowering():
             gm = capture.trace(flat_fn, example_inputs, self.name)
         graph_labels = [labels[i] for i in graph_input_leaves]
         capture.check_no_input_mutation(gm, graph_labels, self.name)

@@ -296,6 +296,8 @@ def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
         recompute: set[fx.Node] = set()
         boundary: set[fx.Node] = set()
         stack = [n for n in roots if n not in pinned and decision(n) == RECOMPUTE]
+        # FSDP with recompute_collectives: a gathered parameter the backward reads is gathered again there.
+        stack += [n for n in roots if n in gathered and can(n) and _feeds_flagged(n, gathered)]
         while stack:
             node = stack.pop()
             if node in recompute:
@@ -304,7 +306,7 @@ def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
             for inp in node.all_input_nodes:
                 if inp in recompute or inp in pinned:
                     continue
-                if inp in gathered and custom(node).get(COLLECTIVES_KEY) and can(inp):
+                if inp in gathered and (custom(node).get(COLLECTIVES_KEY) or node in gathered) and can(inp):
                     stack.append(inp)  # FSDP: gather the parameter again rather than keep it gathered
                     continue
                 if decision(inp) != RECOMPUTE:
@@ -330,15 +332,37 @@ def _gathered_inputs(graph: fx.Graph) -> set[fx.Node]:
     from the local shard instead of keeping the gathered value.
     """
     out: set[fx.Node] = set()
+    inputs: set[fx.Node] = set()  # graph inputs and views of them (free to read again)
     for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            inputs.add(n)
+            continue
         if n.op != "call_function" or region_of(n) or is_backward(n) or is_random(n) or _writes(n):
             continue
         ins = n.all_input_nodes
-        if not ins or not all(i.op in ("placeholder", "get_attr") or i in out for i in ins):
+        if not ins or not all(i in inputs or i in out for i in ins):
             continue
         if is_collective(n) or any(i in out for i in ins):
             out.add(n)
+        elif is_view(n):
+            inputs.add(n)
     return out
+
+
+def _feeds_flagged(node: fx.Node, gathered: set[fx.Node]) -> bool:
+    """Whether a region with `recompute_collectives=True` reads `node` (directly or through gathered values)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen or is_backward(u):
+                continue
+            seen.add(u)
+            if custom(u).get(COLLECTIVES_KEY):
+                return True
+            if u in gathered:
+                stack.append(u)
+    return False
 
 
 def _on_accelerator(node: fx.Node) -> bool:
