@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+
+
+def _disabled_from_env() -> frozenset[str]:
+    return frozenset(name.strip() for name in os.environ.get("PT3FUNC_DISABLE_PASSES", "").split(",") if name.strip())
 
 
 @dataclass
@@ -12,6 +17,11 @@ class Config:
 
     strict_donation: bool = False
     """Raise `DonationError` instead of warning when a donated buffer cannot be reused."""
+
+    disabled_passes: frozenset[str] = field(default_factory=_disabled_from_env)
+    """Optimisation passes to skip, by function name (e.g. {"issue_collectives_early"}), to measure what each
+    buys or to rule one out; also read from the PT3FUNC_DISABLE_PASSES environment variable (comma-separated).
+    Passes that make the program correct (donation, sharding, remat asked for by the user) cannot be skipped."""
 
 
 config = Config()

@@ -6,7 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
-from pt3func.passes.overlap import sink_waits
+from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 
 
 def _meta(shape, path="x"):
@@ -27,6 +27,70 @@ def test_sink_waits_moves_each_wait_to_its_first_user():
     wait = order.index(torch.ops._c10d_functional.wait_tensor.default)
     assert order[wait + 1] is torch.ops.aten.add.Tensor
     assert order.index(torch.ops._c10d_functional.all_reduce.default) < order.index(torch.ops.aten.mul.Tensor) < wait
+
+
+_AR = torch.ops._c10d_functional.all_reduce.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ops = torch.ops.aten
+
+
+def test_issue_collectives_early_moves_each_collective_up_to_its_last_input():
+    # As FSDP traces: both gradients are ready mid-backward but their reductions were recorded at the end.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    g1 = graph.call_function(_ops.sin.default, (x,))
+    busy = graph.call_function(_ops.mul.Tensor, (g1, g1))
+    g2 = graph.call_function(_ops.cos.default, (busy,))
+    busy2 = graph.call_function(_ops.exp.default, (g2,))
+    r2 = graph.call_function(_AR, (g2, "sum", "0"))
+    r1 = graph.call_function(_AR, (g1, "sum", "0"))
+    w1 = graph.call_function(_WAIT, (r1,))
+    w2 = graph.call_function(_WAIT, (r2,))
+    graph.output((w1, w2, busy2))
+    gm = issue_collectives_early(torch.fx.GraphModule(torch.nn.Module(), graph))
+    order = list(gm.graph.nodes)
+    assert order[order.index(g1) + 1] is r1 and order[order.index(g2) + 1] is r2
+    assert order.index(r1) < order.index(busy) < order.index(r2) < order.index(busy2)
+    assert order[-1].op == "output" and len(order) == 10
+    gm.graph.lint()
+
+
+def test_order_by_readiness_runs_updates_in_the_order_their_collectives_were_issued():
+    graph = torch.fx.Graph()
+    p1, p2, g1, g2 = (graph.placeholder(n) for n in ("p1", "p2", "g1", "g2"))
+    r1 = graph.call_function(_AR, (g1, "sum", "0"))  # issued first: its update should run first
+    r2 = graph.call_function(_AR, (g2, "sum", "0"))
+    w2 = graph.call_function(_WAIT, (r2,))
+    w1 = graph.call_function(_WAIT, (r1,))
+    lr = graph.call_function(_ops.mul.Tensor, (p2, 0.1))  # depends on no collective: stays with its user
+    u2 = graph.call_function(_ops.sub.Tensor, (p2, w2))
+    u2b = graph.call_function(_ops.add.Tensor, (u2, lr))
+    u1 = graph.call_function(_ops.sub.Tensor, (p1, w1))
+    c2 = graph.call_function(_ops.copy_.default, (p2, u2b))  # donation's in-place write comes after reads
+    c1 = graph.call_function(_ops.copy_.default, (p1, u1))
+    graph.output((c1, c2))
+    gm = order_by_readiness(torch.fx.GraphModule(torch.nn.Module(), graph))
+    order = list(gm.graph.nodes)
+    assert order.index(w1) < order.index(u1) < order.index(w2) < order.index(u2)
+    assert order.index(u1) < order.index(c1) < order.index(u2)
+    assert order.index(lr) < order.index(u2b) < order.index(c2)
+    gm.graph.lint()
+
+
+def test_order_by_readiness_keeps_in_place_writes_after_every_read():
+    graph = torch.fx.Graph()
+    p, g, q = (graph.placeholder(n) for n in ("p", "g", "q"))
+    r = graph.call_function(_AR, (g, "sum", "0"))
+    rq = graph.call_function(_AR, (q, "sum", "0"))
+    w = graph.call_function(_WAIT, (r,))
+    wq = graph.call_function(_WAIT, (rq,))
+    new_p = graph.call_function(_ops.sub.Tensor, (p, w))
+    late_read = graph.call_function(_ops.mul.Tensor, (p, wq))  # reads the old p, waits on the later collective
+    write = graph.call_function(_ops.copy_.default, (p, new_p))
+    graph.output((write, late_read))
+    gm = order_by_readiness(torch.fx.GraphModule(torch.nn.Module(), graph))
+    order = list(gm.graph.nodes)
+    assert order.index(late_read) < order.index(write)
 
 
 def test_donation_pass_writes_outputs_into_inputs():
