@@ -20,15 +20,18 @@ from pt3func.kernels import dequantize_blockwise, quantize_blockwise, reference,
 # Triton interpreter cases: (name, kwargs). Small sizes: the interpreter runs numpy per program.
 
 
-def _case_input(n: int, dtype: torch.dtype, special: str) -> torch.Tensor:
+def _case_input(n: int, dtype: torch.dtype, special: str = "") -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=g) * 3
     x[: min(n, 40)] = 0.0  # the first block is all zero (scale 0) in every case with blocks <= 40
     if special == "tiny":
         x[40:80] = 1e-38  # qmax / absmax overflows fp32: the FLT_MAX clamp keeps q finite
-    if special == "ties":
-        x[80:160] = torch.arange(80, dtype=torch.float32) * 0.5 - 20.0  # many exact .5 ties after scaling
-        x[80] = 127.0 / 4.0
+    if special == "non-finite":
+        x[50], x[130], x[131] = float("nan"), float("inf"), -float("inf")
+    if special.startswith("ties"):  # absmax qmax: scale 1, so the half-integers are exact ties
+        qmax = float(special.removeprefix("ties"))
+        x[80:160] = (torch.arange(80, dtype=torch.float32) * 0.5 - 20.0).clamp(-qmax, qmax)
+        x[80] = qmax
     return x.to(dtype)
 
 
@@ -41,12 +44,20 @@ INTERPRETER_CASES = {
         "bf16-ef-odd-numel-block100": dict(n=999 if bits == 8 else 998, block=100, dtype="bfloat16", residual=True),
         "fp16-block32-small-programs": dict(n=333, block=32, dtype="float16", elems_per_program=64),
         "tiny-absmax": dict(n=300, block=40, special="tiny"),
-        "ties": dict(n=300, block=80, special="ties"),
+        "ties": dict(n=300, block=80, special=f"ties{reference.QMAX[bits]}"),
+        "non-finite-ef": dict(n=300, block=40, special="non-finite", residual=True),
         "stochastic": dict(n=1000, block=64, stochastic=True, seed=123456789012),
         "stochastic-ef-bf16": dict(n=555, block=50, dtype="bfloat16", residual=True, stochastic=True, seed=-7),
         "block-1-int8-or-2-int4": dict(n=37, block=1 if bits == 8 else 2, elems_per_program=16),
     }.items()
 }
+
+
+def _same(w: torch.Tensor, g: torch.Tensor) -> bool:
+    """Equal dtype, shape and values, NaN matching NaN (a NaN's sign and payload differ between CPUs and GPUs)."""
+    if w.dtype != g.dtype or w.shape != g.shape:
+        return False
+    return torch.equal(w, g) or (w.is_floating_point() and bool(((w == g) | (w.isnan() & g.isnan())).all()))
 
 
 def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", residual: bool = False,
@@ -62,13 +73,13 @@ def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", res
     got = triton_quant.quantize_blockwise(x, bits, block, r, stochastic, s, elems_per_program=elems_per_program)
     errors = []
     for name, w, g in zip(("q", "scales", "new_residual"), want, got):
-        if (w is None) != (g is None) or (w is not None and not (w.dtype == g.dtype and torch.equal(w, g))):
+        if (w is None) != (g is None) or (w is not None and not _same(w, g)):
             errors.append(f"{name} differs")
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         w = reference.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype)
         g = triton_quant.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype,
                                               elems_per_program=elems_per_program)
-        if not (w.dtype == g.dtype and torch.equal(w, g)):
+        if not _same(w, g):
             errors.append(f"dequantised {out_dtype} differs")
     return "; ".join(errors)
 
@@ -129,12 +140,13 @@ def test_all_zero_block_has_zero_scale_and_no_nan():
 
 
 def test_non_finite_input_gives_non_finite_block():
-    x = torch.randn(64)
+    x = torch.randn(96)
     x[3] = float("nan")
     x[40] = float("inf")
     q, scales, _ = quantize_blockwise(x, bits=8, block=32)
-    d = dequantize_blockwise(q, scales, bits=8, block=32, numel=64)
-    assert not torch.isfinite(d[:32]).any() and not torch.isfinite(d[32:]).all()
+    assert scales[:2].isinf().all() and (q[:64] == 0).all() and scales[2].isfinite()
+    d = dequantize_blockwise(q, scales, bits=8, block=32, numel=96)
+    assert not torch.isfinite(d[:64]).any() and torch.isfinite(d[64:]).all()
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -7,6 +7,9 @@ Format (see README, "Quantisation kernels"):
 - `q = clamp(y * inv_i, -qmax, qmax)` rounded half to even (or stochastically: `floor(. + u)`, clamped again),
   with `inv_i = min(qmax / absmax_i, FLT_MAX)` (one IEEE division per block, then a multiply per element; the
   `min` makes an all-zero block, and blocks so tiny that `qmax / absmax` overflows, quantise to finite values).
+- A block holding a NaN or inf gets `absmax = inf` (NaN counts as inf), so scale inf and q 0 for every element:
+  it dequantises to non-finite values (a step with non-finite gradients stays visible) and its new residual is
+  NaN.
 - int8: `q` is int8, one value per element. int4: `q` is uint8, two values per byte, element `2j` in the low
   nibble and `2j + 1` in the high nibble, each stored offset binary as `value + 8` (so -7..7 -> 1..15).
 - Dequantised value: `q * scales[i]` in fp32, cast to the requested dtype.
@@ -92,13 +95,14 @@ def quantize_blockwise(
     if residual is not None:
         y = y + residual.reshape(-1).to(torch.float32)
     yb = F.pad(y, (0, padded - n)).view(-1, block)
-    absmax = yb.abs().amax(dim=1)
+    absmax = torch.where(yb == yb, yb.abs(), torch.inf).amax(dim=1)
     # Tensor / tensor keeps both divisions IEEE on every device (CUDA turns division by a Python scalar into a
     # multiply by its reciprocal, which the Triton kernel would not reproduce).
     qm = torch.full((), float(qmax), dtype=torch.float32, device=x.device)
     scales = absmax / qm
     inv = torch.clamp(qm / absmax, max=FLT_MAX)
-    t = torch.clamp(yb * inv[:, None], -qmax, qmax)
+    t = yb * inv[:, None]
+    t = torch.clamp(torch.where(t == t, t, 0.0), -qmax, qmax)
     if stochastic:
         u = uniform_hash(seed, padded, x.device).view(-1, block)
         t = torch.clamp(torch.floor(t + u), -qmax, qmax)

@@ -52,11 +52,6 @@ def _to_bf16(v):
 
 
 @triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _tile(pid, BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, WIDE: tl.constexpr):
     """This program's `BPP` block indices, the `(BPP, WIDTH)` element offsets (WIDTH = block rounded up to a power
     of two), and which columns lie inside a block."""
@@ -79,14 +74,14 @@ def _quantize_kernel(
     y = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     if HAS_RES:
         y = y + tl.load(r_ptr + offs, mask=valid, other=0.0)
-    # NaN-propagating max, like torch.amax: a non-finite gradient keeps a non-finite scale, so it is still seen
-    # after dequantisation (steps with non-finite gradients are skipped downstream).
-    absmax = tl.reduce(tl.abs(y), 1, _nan_max)
+    # NaN counts as inf (tl.max would skip it), so a block with a non-finite value gets scale inf, q 0 (the
+    # `t == t` select) and dequantises to non-finite values, the same on every backend.
+    absmax = tl.max(tl.where(y == y, tl.abs(y), float("inf")), axis=1)
     qm = tl.full([BPP], QMAX, tl.float32)
     scale = tl.math.div_rn(absmax, qm)
     inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
     t = y * inv[:, None]
-    t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
+    t = tl.minimum(tl.maximum(tl.where(t == t, t, 0.0), -QMAX), QMAX)
     if STOCH:
         seed_h = _lowbias32(tl.load(seed_ptr).to(tl.uint32))
         h = _lowbias32(offs.to(tl.uint32) * _GOLDEN + seed_h)

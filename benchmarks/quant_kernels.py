@@ -1,0 +1,264 @@
+"""Bandwidth of the blockwise quantisation kernels against a device-to-device copy measured in the same run.
+
+    python benchmarks/quant_kernels.py --out benchmarks/results/quant_kernels_h200.json   # GPU: 64 MiB, 256 MiB, 1 GiB
+    python benchmarks/quant_kernels.py --device cpu --sizes small                         # smoke run, seconds
+
+For each buffer size (fp32 input) and each kernel (int8 / int4 quantise, round-to-nearest or stochastic, with or
+without the fused error-feedback update; int8 / int4 dequantise to fp32) it times the Triton kernel with the
+launch configuration the custom op uses (`default`), sweeps blocks-per-program and warps (`best` and its config),
+and times `torch.compile` of the torch reference. GB/s = (bytes read + bytes written) / time; `x copy` divides by
+the copy bandwidth (`dst.copy_(src)`, 2 x size bytes). Issue 6's targets: >= 0.9 x copy for round-to-nearest
+quantise (with and without error feedback) and dequantise, >= 0.75 x for stochastic rounding.
+
+Before timing, every kernel is checked bit for bit against the eager torch reference on the same device (and
+against the CPU reference on a smaller buffer); the table and the JSON say whether it matched.
+
+Timing: CUDA events around `--calls` back-to-back calls, queued behind a `torch.cuda._sleep` so the host's launch
+cost is hidden and the GPU's time is what is measured; warm-up, then the median of `--repeats`. On CPU (smoke)
+the Triton kernels run under TRITON_INTERPRET=1 and the reference runs eagerly: the numbers mean nothing, the run
+checks that the script and the kernels work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SIZES = {"gpu": [64 * 2**20, 256 * 2**20, 2**30], "small": [64 * 2**10, 256 * 2**10]}
+# (elements per program, warps): the sweep. The first entry is overwritten by the kernels' defaults.
+SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--sizes", default=None,
+                        help="'gpu' (64 MiB, 256 MiB, 1 GiB), 'small' (64 KiB, 256 KiB) or MiB values: 64,256")
+    parser.add_argument("--block", type=int, default=256, help="elements per scale")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (median); 20 on GPU")
+    parser.add_argument("--calls", type=int, default=None, help="back-to-back calls per repetition; 10 on GPU")
+    parser.add_argument("--no-sweep", action="store_true", help="time the default launch configuration only")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--out", default=None, help="JSON path (default results/quant_kernels_<device>.json)")
+    args = parser.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.sizes is None:
+        args.sizes = "gpu" if args.device == "cuda" else "small"
+    args.size_bytes = SIZES.get(args.sizes) or [int(float(s) * 2**20) for s in args.sizes.split(",")]
+    cpu = args.device == "cpu"
+    args.repeats = args.repeats or (3 if cpu else 20)
+    args.calls = args.calls or (1 if cpu else 10)
+    if cpu:
+        # Triton has no CPU backend: its interpreter runs the kernels. Must be set before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.no_compile = True  # Inductor's C++ compile of nine kernels takes minutes on a small CPU
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, environment, print_table, write_json  # noqa: E402
+
+from pt3func.kernels import reference, triton_available  # noqa: E402
+
+# name: (bits, error feedback, stochastic) for quantise, (bits, None, None) for dequantise.
+KERNELS: dict[str, tuple[int, bool | None, bool | None]] = {
+    "int8 quantise": (8, False, False),
+    "int8 quantise + EF": (8, True, False),
+    "int8 stochastic + EF": (8, True, True),
+    "int4 quantise": (4, False, False),
+    "int4 quantise + EF": (4, True, False),
+    "int4 stochastic": (4, False, True),
+    "int4 stochastic + EF": (4, True, True),
+    "int8 dequantise": (8, None, None),
+    "int4 dequantise": (4, None, None),
+}
+
+
+def size_label(size: int) -> str:
+    if size >= 2**30:
+        return f"{size / 2**30:g} GiB"
+    return f"{size / 2**20:g} MiB" if size >= 2**20 else f"{size >> 10} KiB"
+
+
+def target(name: str) -> float:
+    return 0.75 if "stochastic" in name else 0.9
+
+
+def bytes_moved(name: str, n: int, block: int) -> int:
+    """Bytes read + written by one call on `n` fp32 elements (padding ignored: sizes here are multiples of block)."""
+    bits, ef, _ = KERNELS[name]
+    q_bytes = n if bits == 8 else n // 2
+    scale_bytes = 4 * (n // block)
+    if ef is None:  # dequantise: read q and scales, write fp32
+        return q_bytes + scale_bytes + 4 * n
+    return 4 * n + q_bytes + scale_bytes + (8 * n if ef else 0)  # x (+ residual in, residual out), q, scales
+
+
+class Timer:
+    """Seconds per call of `fn`: GPU time from CUDA events, or wall time on CPU."""
+
+    def __init__(self, device: str, repeats: int, calls: int, warmup: int = 3):
+        self.cuda = device == "cuda"
+        self.repeats, self.calls, self.warmup = repeats, calls, warmup
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work, so the calls below queue up behind it
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / self.calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(self.calls):
+                    fn()
+                times.append((time.perf_counter() - t0) / self.calls)
+        return statistics.median(times)
+
+
+def make_calls(name: str, x: torch.Tensor, r: torch.Tensor, seed: torch.Tensor, block: int,
+               tq: Any) -> tuple[Callable[..., Any], Callable[[], Any], Callable[[], Any]]:
+    """(triton(config), eager reference, function for torch.compile) for kernel `name` on these inputs."""
+    bits, ef, sr = KERNELS[name]
+    n = x.numel()
+    if ef is None:
+        q, s, _ = reference.quantize_blockwise(x, bits, block)
+
+        def run_triton(epp=None, warps=None):
+            return tq.dequantize_blockwise(q, s, bits, block, n, elems_per_program=epp, num_warps=warps)
+
+        def run_ref():
+            return reference.dequantize_blockwise(q, s, bits, block, n)
+
+        return run_triton, run_ref, run_ref
+    res = r if ef else None
+    sd = seed if sr else None
+
+    def run_triton(epp=None, warps=None):
+        return tq.quantize_blockwise(x, bits, block, res, sr, sd, elems_per_program=epp, num_warps=warps)
+
+    def run_ref():
+        return reference.quantize_blockwise(x, bits, block, res, sr, sd)
+
+    return run_triton, run_ref, run_ref
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple):
+        return all(same(u, v) for u, v in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+
+
+def check_cpu_reference(name: str, device: str, block: int, tq: Any) -> bool:
+    """Triton on `device` against the CPU reference, on a buffer with padding and an all-zero block."""
+    g = torch.Generator().manual_seed(0)
+    n = 3 * 2**20 + 77
+    x, r, seed = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.01, torch.tensor(2**33 + 5)
+    x[:block] = 0
+    run_triton, run_ref, _ = make_calls(name, x.to(device), r.to(device), seed.to(device), block, tq)
+    _, run_ref_cpu, _ = make_calls(name, x, r, seed, block, tq)
+    return same(run_triton(), run_ref_cpu()) and same(run_ref(), run_ref_cpu())
+
+
+def main(args: argparse.Namespace) -> None:
+    device, block = args.device, args.block
+    started = time.perf_counter()
+    if not triton_available():
+        raise SystemExit("triton is not importable: nothing to benchmark")
+    from pt3func.kernels import triton_quant as tq
+
+    timer = Timer(device, args.repeats, args.calls)
+    sweep = [(tq.DEFAULT_ELEMS_PER_PROGRAM, tq.DEFAULT_NUM_WARPS)]
+    if not args.no_sweep:  # on CPU one more config, to exercise the sweep: interpreter timings mean nothing
+        sweep += [c for c in (SWEEP if device == "cuda" else SWEEP[:1]) if c != sweep[0]]
+    exact_cpu = {name: check_cpu_reference(name, device, block, tq) for name in KERNELS} if device == "cuda" else {}
+    rows, records, copy_gbps = [], [], {}
+    for size in args.size_bytes:
+        n = size // 4
+        g = torch.Generator(device=device).manual_seed(size)
+        x = torch.randn(n, device=device, generator=g)
+        r = torch.randn(n, device=device, generator=g) * 0.01
+        seed = torch.tensor(1234, device=device)
+        dst = torch.empty_like(x)
+        copy_s = timer(lambda x=x, dst=dst: dst.copy_(x))
+        copy_gbps[size] = 2 * size / copy_s / 1e9
+        rows.append([size_label(size), "copy (dst.copy_(src))", copy_gbps[size], "", float("nan"),
+                     1.0, "", "", ""])
+        for name in KERNELS:
+            run_triton, run_ref, to_compile = make_calls(name, x, r, seed, block, tq)
+            exact = same(run_triton(), run_ref()) and exact_cpu.get(name, True)
+            nbytes = bytes_moved(name, n, block)
+            by_config = {}
+            for epp, warps in sweep:
+                by_config[(epp, warps)] = nbytes / timer(lambda e=epp, w=warps, f=run_triton: f(e, w)) / 1e9
+            default_gbps = by_config[sweep[0]]
+            best_cfg = max(by_config, key=by_config.get)
+            compiled_gbps = float("nan")
+            if not args.no_compile:
+                compiled = torch.compile(to_compile, dynamic=False)
+                compiled_gbps = nbytes / timer(compiled) / 1e9
+                torch._dynamo.reset()
+            ratio = default_gbps / copy_gbps[size]
+            rows.append([size_label(size), name, default_gbps, f"{by_config[best_cfg]:,.4g} @ {best_cfg}",
+                         compiled_gbps, ratio, f">= {target(name)}", "yes" if ratio >= target(name) else "NO",
+                         "yes" if exact else "NO"])
+            records.append({
+                "size_bytes": size, "kernel": name, "bytes_moved": nbytes, "copy_gbps": copy_gbps[size],
+                "triton_default_gbps": default_gbps, "default_config": list(sweep[0]),
+                "triton_best_gbps": by_config[best_cfg], "best_config": list(best_cfg),
+                "sweep_gbps": {f"{e}x{w}": v for (e, w), v in by_config.items()},
+                "compile_gbps": compiled_gbps, "ratio_to_copy": ratio, "best_ratio_to_copy":
+                by_config[best_cfg] / copy_gbps[size], "target": target(name), "bit_exact": exact,
+            })
+        del x, r, dst
+    print_table(
+        f"Blockwise quantisation kernels, {device}, block {block}, fp32 input (GB/s = bytes read + written / time)",
+        ["size", "kernel", "triton GB/s", "best GB/s @ (elems/program, warps)", "torch.compile GB/s",
+         "x copy", "target", "met", "bit-exact"], rows)
+    # The one configuration that does best on the worst kernel: what the defaults in triton_quant.py should be.
+    if len(sweep) > 1:
+        worst = {cfg: min(rec["sweep_gbps"][f"{cfg[0]}x{cfg[1]}"] / rec["copy_gbps"] / rec["target"]
+                          for rec in records) for cfg in sweep}
+        pick = max(worst, key=worst.get)
+        print(f"best single config (max over configs of min over kernels of ratio / target): "
+              f"elems_per_program={pick[0]}, num_warps={pick[1]} -> worst ratio/target {worst[pick]:.3f} "
+              f"(defaults {sweep[0]}: {worst[sweep[0]]:.3f})")
+    else:
+        pick, worst = None, {}
+    out = Path(args.out or RESULTS / f"quant_kernels_{device}.json")
+    write_json(out, {
+        "environment": environment(), "triton": __import__("triton").__version__,
+        "interpreted": os.environ.get("TRITON_INTERPRET") == "1", "block": block,
+        "repeats": args.repeats, "calls_per_repeat": args.calls, "copy_gbps": copy_gbps, "results": records,
+        "best_single_config": list(pick) if pick else None,
+        "best_single_config_worst_ratio_over_target": worst.get(pick) if pick else None,
+    })
+    print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main(ARGS)
