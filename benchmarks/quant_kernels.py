@@ -181,7 +181,55 @@ def check_cpu_reference(name: str, device: str, block: int, tq: Any) -> bool:
     x[:block] = 0
     run_triton, run_ref, _ = make_calls(name, x.to(device), r.to(device), seed.to(device), block, tq)
     _, run_ref_cpu, _ = make_calls(name, x, r, seed, block, tq)
-    return same(run_triton(), run_ref_cpu()) and same(run_ref(), run_ref_cpu())
+    try:
+        want = run_ref_cpu()
+        triton_ok, ref_ok = same(run_triton(), want), same(run_ref(), want)
+    except Exception as e:
+        print(f"{name}: check against the CPU reference failed: {_error(e)}", flush=True)
+        return False
+    if not (triton_ok and ref_ok):
+        print(f"{name}: differs from the CPU reference (triton {'ok' if triton_ok else 'DIFFERS'}, "
+              f"eager reference on {device} {'ok' if ref_ok else 'DIFFERS'})", flush=True)
+    return triton_ok and ref_ok
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def measure(name: str, x: torch.Tensor, r: torch.Tensor, seed: torch.Tensor, block: int, tq: Any, timer: Timer,
+            sweep: list[tuple[int, int]], compile_baseline: bool, exact_cpu: bool) -> dict[str, Any]:
+    """GB/s of kernel `name` for each launch config and for torch.compile of the reference. A failure (a config
+    that does not compile, say) is recorded, not raised, so that one GPU run reports everything."""
+    nbytes = bytes_moved(name, x.numel(), block)
+    rec: dict[str, Any] = {"kernel": name, "bytes_moved": nbytes, "default_config": list(sweep[0]),
+                           "triton_default_gbps": float("nan"), "triton_best_gbps": float("nan"),
+                           "best_config": None, "sweep_gbps": {}, "compile_gbps": float("nan"),
+                           "target": target(name), "bit_exact": False}
+    run_triton, run_ref, to_compile = make_calls(name, x, r, seed, block, tq)
+    try:
+        rec["bit_exact"] = same(run_triton(), run_ref()) and exact_cpu
+    except Exception as e:
+        rec["error"] = _error(e)
+        return rec
+    by_config = {}
+    for epp, warps in sweep:
+        try:
+            by_config[(epp, warps)] = nbytes / timer(lambda e=epp, w=warps: run_triton(e, w)) / 1e9
+        except Exception as e:
+            rec.setdefault("config_errors", {})[f"{epp}x{warps}"] = _error(e)
+    rec["sweep_gbps"] = {f"{e}x{w}": v for (e, w), v in by_config.items()}
+    rec["triton_default_gbps"] = by_config.get(sweep[0], float("nan"))
+    if by_config:
+        best = max(by_config, key=by_config.get)
+        rec["best_config"], rec["triton_best_gbps"] = list(best), by_config[best]
+    if compile_baseline:
+        try:
+            rec["compile_gbps"] = nbytes / timer(torch.compile(to_compile, dynamic=False)) / 1e9
+        except Exception as e:
+            rec["compile_error"] = _error(e)
+        torch._dynamo.reset()
+    return rec
 
 
 def main(args: argparse.Namespace) -> None:
@@ -209,31 +257,20 @@ def main(args: argparse.Namespace) -> None:
         rows.append([size_label(size), "copy (dst.copy_(src))", copy_gbps[size], "", float("nan"),
                      1.0, "", "", ""])
         for name in KERNELS:
-            run_triton, run_ref, to_compile = make_calls(name, x, r, seed, block, tq)
-            exact = same(run_triton(), run_ref()) and exact_cpu.get(name, True)
-            nbytes = bytes_moved(name, n, block)
-            by_config = {}
-            for epp, warps in sweep:
-                by_config[(epp, warps)] = nbytes / timer(lambda e=epp, w=warps, f=run_triton: f(e, w)) / 1e9
-            default_gbps = by_config[sweep[0]]
-            best_cfg = max(by_config, key=by_config.get)
-            compiled_gbps = float("nan")
-            if not args.no_compile:
-                compiled = torch.compile(to_compile, dynamic=False)
-                compiled_gbps = nbytes / timer(compiled) / 1e9
-                torch._dynamo.reset()
-            ratio = default_gbps / copy_gbps[size]
-            rows.append([size_label(size), name, default_gbps, f"{by_config[best_cfg]:,.4g} @ {best_cfg}",
-                         compiled_gbps, ratio, f">= {target(name)}", "yes" if ratio >= target(name) else "NO",
-                         "yes" if exact else "NO"])
-            records.append({
-                "size_bytes": size, "kernel": name, "bytes_moved": nbytes, "copy_gbps": copy_gbps[size],
-                "triton_default_gbps": default_gbps, "default_config": list(sweep[0]),
-                "triton_best_gbps": by_config[best_cfg], "best_config": list(best_cfg),
-                "sweep_gbps": {f"{e}x{w}": v for (e, w), v in by_config.items()},
-                "compile_gbps": compiled_gbps, "ratio_to_copy": ratio, "best_ratio_to_copy":
-                by_config[best_cfg] / copy_gbps[size], "target": target(name), "bit_exact": exact,
-            })
+            rec = measure(name, x, r, seed, block, tq, timer, sweep, not args.no_compile, exact_cpu.get(name, True))
+            rec.update(size_bytes=size, copy_gbps=copy_gbps[size])
+            rec["ratio_to_copy"] = rec["triton_default_gbps"] / copy_gbps[size]
+            rec["best_ratio_to_copy"] = rec["triton_best_gbps"] / copy_gbps[size]
+            records.append(rec)
+            ratio, best_cfg = rec["ratio_to_copy"], tuple(rec["best_config"] or ())
+            rows.append([size_label(size), name, rec["triton_default_gbps"],
+                         f"{rec['triton_best_gbps']:,.4g} @ {best_cfg}" if best_cfg else rec.get("error", "")[:60],
+                         rec["compile_gbps"], ratio, f">= {target(name)}", "yes" if ratio >= target(name) else "NO",
+                         "yes" if rec["bit_exact"] else "NO"])
+            print(f"{size_label(size)} {name}: {rec['triton_default_gbps']:.4g} GB/s default, "
+                  f"{rec['triton_best_gbps']:.4g} best {best_cfg}, torch.compile {rec['compile_gbps']:.4g}, "
+                  f"x copy {ratio:.3f}, bit-exact {rec['bit_exact']}" + (f", {rec['error']}" if "error" in rec
+                                                                           else ""), flush=True)
         del x, r, dst
     print_table(
         f"Blockwise quantisation kernels, {device}, block {block}, fp32 input (GB/s = bytes read + written / time)",
@@ -241,7 +278,7 @@ def main(args: argparse.Namespace) -> None:
          "x copy", "target", "met", "bit-exact"], rows)
     # The one configuration that does best on the worst kernel: what the defaults in triton_quant.py should be.
     if len(sweep) > 1:
-        worst = {cfg: min(rec["sweep_gbps"][f"{cfg[0]}x{cfg[1]}"] / rec["copy_gbps"] / rec["target"]
+        worst = {cfg: min(rec["sweep_gbps"].get(f"{cfg[0]}x{cfg[1]}", 0.0) / rec["copy_gbps"] / rec["target"]
                           for rec in records) for cfg in sweep}
         pick = max(worst, key=worst.get)
         print(f"best single config (max over configs of min over kernels of ratio / target): "
