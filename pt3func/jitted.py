@@ -57,6 +57,7 @@ class Jitted:
         grad_exchange: Any = None,
         memory_budget: float | None = None,
         backend: str = "inductor",
+        cuda_graphs: bool = False,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"pf.jit: unknown backend {backend!r}; choose one of {BACKENDS}")
@@ -75,6 +76,7 @@ class Jitted:
         self.grad_exchange = grad_exchange
         self.memory_budget = memory_budget
         self.backend = backend
+        self.cuda_graphs = bool(cuda_graphs)
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
@@ -125,6 +127,8 @@ class Jitted:
         lowered = self._lowered.get(key)
         if lowered is None:
             lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key)
+            # Already compiled for this signature (called before): `lower(...).compile()` returns that program.
+            lowered._compiled = self._cache.get(key)
         return lowered
 
     def trace_count(self) -> int:
@@ -292,6 +296,7 @@ class Jitted:
             donation=plan,
             donated_leaves=donated_leaves,
             backend=self.backend,
+            cuda_graphs=self.cuda_graphs,
             scalar_device=device,
             spec=spec,
             key=key,
@@ -405,6 +410,7 @@ def jit(
     grad_exchange: Any = None,
     memory_budget: float | None = None,
     backend: str = "inductor",
+    cuda_graphs: bool = False,
 ) -> Any:
     """Trace `fn` (forward, backward, optimizer: the whole step) into one static program and compile it.
 
@@ -413,6 +419,8 @@ def jit(
     Python scalars that are not static become 0-d tensor inputs, never constants baked into the program.
     Donated arguments' buffers are reused for outputs of the same shape/dtype: the compiled program writes
     the new values into them in place, and the donated tensors become unreadable.
+    `cuda_graphs=True` (CUDA inputs on one device) captures each compiled program in a CUDA graph after one
+    warm-up call and replays it (see `pt3func.runtime.cudagraphs`; donate params and state with it).
     """
     options = dict(
         in_shardings=in_shardings,
@@ -424,6 +432,7 @@ def jit(
         grad_exchange=grad_exchange,
         memory_budget=memory_budget,
         backend=backend,
+        cuda_graphs=cuda_graphs,
     )
     if fn is None:
         return functools.partial(jit, **options)
