@@ -112,7 +112,7 @@ def rewrite(
         needed = leaf_fmt.state_shapes(shape, kind, world)
         if (needed or leaf_fmt.needs_step) and binding is None:
             raise GradExchangeError(
-                f"{name}: grad_exchange={fmt.describe()} keeps state for {label} (error-feedback residuals, a "
+                f"{name}: grad_exchange ({fmt.describe()}) keeps state for {label} (error-feedback residuals, a "
                 f"step counter), but the step takes no ExchangeState. Build it with state = exchange.init(params) "
                 f"(or pf.compress.with_state(opt, exchange)), pass it to the step and return it unchanged."
             )
