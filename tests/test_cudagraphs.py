@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,81 @@ def _gloo_collective_refused(rank: int, world: int) -> str:
 def test_gloo_collectives_refused():
     (message,) = run_world(1, _gloo_collective_refused)
     assert "cannot capture the collective" in message and "'gloo' backend" in message, message
+
+
+# ---- the runner's buffer logic on CPU, with a stand-in for CUDA graph capture ----------------------------
+
+
+class _FakeGraph:
+    """Records the program at "capture" (run on copies: a capture executes nothing) and reruns it at replay,
+    writing into the captured outputs as a real replay writes into the graph's static buffers."""
+
+    active: _FakeGraph | None = None
+
+    def __init__(self):
+        self.calls = []
+
+    def replay(self):
+        for fn, args, outs in self.calls:
+            for out, new in zip(outs, fn(*args)):
+                out.copy_(new)
+
+
+@contextlib.contextmanager
+def _fake_capture(graph, **kwargs):
+    _FakeGraph.active = graph
+    try:
+        yield
+    finally:
+        _FakeGraph.active = None
+
+
+def _recording(fn):
+    def run(*args):
+        graph = _FakeGraph.active
+        if graph is None:
+            return fn(*args)
+        outs = list(fn(*[a.clone() for a in args]))
+        graph.calls.append((fn, args, outs))
+        return outs
+
+    return run
+
+
+def test_runner_buffers_with_a_stand_in_graph(monkeypatch):
+    import pt3func.stages as stages
+
+    compile_program = stages.compile_program
+    monkeypatch.setattr(stages, "compile_program", lambda *a: _recording(compile_program(*a)))
+    monkeypatch.setattr(stages, "check_capturable", lambda *a: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+
+    graphed = pf.jit(_sgd, donate_argnums=0, backend="eager", cuda_graphs=True)
+    plain = pf.jit(_sgd, donate_argnums=0, backend="eager")
+    p, p_ref = _params(), _params()
+    losses, ptrs = [], []
+    for i in range(5):
+        batch, lr = _batch(i), 0.1 / (i + 1)  # new batch tensors and a new scalar every call: copied in
+        p, m = graphed(p, *batch, lr)
+        p_ref, m_ref = plain(p_ref, *batch, lr)
+        torch.testing.assert_close(p, p_ref)
+        torch.testing.assert_close(m["loss"], m_ref["loss"])
+        losses.append((m["loss"], m_ref["loss"].clone()))
+        ptrs.append({k: v.data_ptr() for k, v in p.items()})
+    runner = next(iter(graphed._cache.values()))._runner
+    assert runner.captured and runner.replays == 4
+    assert ptrs[1] == ptrs[2] == ptrs[3] == ptrs[4]  # after the capture, params stay in the captured buffers
+    for loss, expected in losses:  # returned losses are copies: later replays did not overwrite them
+        torch.testing.assert_close(loss, expected)
+    # Fresh params are copied into the captured buffers; the program then updates those.
+    fresh, p_ref = _params(), _params()
+    out, _ = graphed(fresh, *_batch(9), 0.05)
+    expected, _ = plain(p_ref, *_batch(9), 0.05)
+    torch.testing.assert_close(out, expected)
+    assert {k: v.data_ptr() for k, v in out.items()} == ptrs[-1]
+    with pytest.raises(pf.DonationError):
+        fresh["w"] + 1
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------
