@@ -358,3 +358,23 @@ def test_virtual_mesh_builds_state_in_the_rank_threads():
                 assert max(cc._rel(got[k], exact[k]) for k in cc.NAMES) < 1.5e-2
         assert int(pf.device_get(ex.step)) == 2
         assert float(pf.device_get(ex.leaves["w1"].residual).abs().sum()) > 0
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_rewritten_program():
+    # Payload bytes reinterpreted (view dtype), the kernels' custom ops and all-to-all, through Inductor.
+    mesh = pf.make_mesh((2,), ("dp",), virtual=True)
+    specs, batch_spec = cc.LAYOUTS["dp2"][2], cc.LAYOUTS["dp2"][3]
+    fmt = C.chain(C.topk(0.1), C.int8(block=64))
+    with pf.set_mesh(mesh):
+        params = pf.device_put(cc.init_params(), specs)
+        results = {}
+        for backend in ("eager", "inductor"):
+            step = pf.jit(cc.grad_step, in_shardings=(specs, None, batch_spec, batch_spec), grad_exchange=fmt,
+                          backend=backend)
+            ex = fmt.init(params)
+            for t in range(2):
+                grads, ex = step(params, ex, *cc.batch(t))
+            results[backend] = pf.device_get((grads, ex.leaves))
+    for a, b in zip(pf.tree.leaves(results["eager"]), pf.tree.leaves(results["inductor"])):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
