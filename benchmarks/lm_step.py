@@ -349,11 +349,11 @@ def main() -> None:
         torch.distributed.destroy_process_group()
         return
     print(json.dumps(record), flush=True)
-    measured = f"measured {peak / 2**30:.2f} GiB; " if on_cuda else ""
+    measured = f"measured {peak / 2**30:.3g} GiB; " if on_cuda else ""
     print(
-        f"memory: {measured}compiled-program estimate {compiled_memory['peak_bytes'] / 2**30:.2f} GiB"
+        f"memory: {measured}compiled-program estimate {compiled_memory['peak_bytes'] / 2**30:.3g} GiB"
         + (f" ({record['pf_compiled_peak_over_measured']}x)" if on_cuda else "")
-        + f"; traced-program bound {memory['peak_bytes'] / 2**30:.2f} GiB"
+        + f"; traced-program bound {memory['peak_bytes'] / 2**30:.3g} GiB"
         + (f" ({record['pf_peak_over_measured']}x)" if on_cuda else ""),
         flush=True,
     )
