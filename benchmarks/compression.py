@@ -85,6 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--smoke", action="store_true", help="a few steps of every part on tiny models (for a test)")
     add("--tag", default=None, help="results/compression_<tag>.json (default: cpu, smoke or gpu)")
     add("--out", default=None, help="write the JSON here instead")
+    add("--reuse", default=None,
+        help="an earlier results JSON: take the parts this run does not run (its gpt / slowlink results) from it")
     # The char GPT (convergence, error, wire): train_lm_sharded.py's defaults, 4 gloo ranks, eager.
     add("--ranks", type=int, default=4)
     add("--steps", type=int, default=300)
@@ -107,6 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--mlp-layers", type=int, default=4)
     add("--mlp-batch", type=int, default=8, help="rows per rank")
     add("--slowlink-steps", type=int, default=10, help="timed steps per format (after 3 warm-up steps)")
+    add("--slowlink-backend", choices=("eager", "inductor"), default="inductor",
+        help="pf.jit backend of the slow-link step (eager spends ~50 ms/step on the host in Python alone)")
     # GPU.
     add("--gpu", action="store_true", help="2 GPUs: lm_step.py under torchrun with fp32/bf16/int8 exchange")
     add("--gpu-args", default="", help="extra lm_step.py flags for --gpu (e.g. a smaller config)")
@@ -150,6 +154,39 @@ def make_step(train_step: Callable[..., Any], exchange: Any, **jit_kwargs: Any) 
     if exchange is None:
         return pf.jit(train_step, **jit_kwargs)
     return pf.jit(train_step, grad_exchange=exchange, **jit_kwargs)
+
+
+# Bytes each rank sends per byte of a collective's payload (the payload as `cost_analysis()` counts it, after
+# nccl-tests: the input, or the output of an all-gather), for the ring (and bandwidth-optimal) algorithms:
+# an all-reduce is a reduce-scatter plus an all-gather, each sending (n - 1) / n of the buffer.
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+}
+
+
+def wire_bytes(lowered: Any, world: int) -> dict[str, Any]:
+    """Bytes one rank sends per step, from the program's collectives: all of them, and the gradient reductions.
+
+    A gradient reduction is a collective tagged with the leaf it reduces (`GRAD_OF`, set where sharded lowering
+    reduces a gradient); the compressed exchange replaces those, so in a compressed program the collectives
+    that are not in the fp32 program's non-gradient set are its exchange (see `gradient_share`).
+    """
+    from pt3func import analysis
+    from pt3func.spmd.lower import GRAD_OF
+
+    total = grad = 0.0
+    for node in lowered.graph_module.graph.nodes:
+        if not analysis.is_collective(node):
+            continue
+        kind = analysis.collective_kind(node)
+        sent = BUS_FACTOR.get(kind, lambda n: 1.0)(world) * analysis.collective_bytes(node)
+        total += sent
+        if (node.meta.get("custom") or {}).get(GRAD_OF) is not None:
+            grad += sent
+    return {"total": total, "grad_tagged": grad, "other": total - grad}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,10 +340,19 @@ def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
             for name in names:
                 exchange, ex_state = bookkeeping(name)
                 step = make_step(train_step, exchange, **shardings, **jit)
-                cost = step.lower(params, opt_state, ex_state, batch).cost_analysis()
-                out["formats"][name]["comm_bytes"] = dict(cost["comm_bytes"])
-                out["formats"][name]["wire_bytes"] = sum(cost["comm_bytes"].values())
-                say(f"wire {name}: {out['formats'][name]['wire_bytes']:,} bytes per rank per step", flush=True)
+                lowered = step.lower(params, opt_state, ex_state, batch)
+                wire = wire_bytes(lowered, a.ranks)
+                if name == "fp32":
+                    # Collectives that are not gradient reductions (e.g. DTensor's embedding backward gathers
+                    # the batch's output gradient) are not rewritten: the same bytes in every program.
+                    other = wire["other"]
+                f = out["formats"][name]
+                f["comm_bytes"] = dict(lowered.cost_analysis()["comm_bytes"])
+                f["wire_bytes"] = wire["total"]
+                f["exchange_wire_bytes"] = wire["total"] - other
+                f["non_gradient_wire_bytes"] = other
+                say(f"wire {name}: {wire['total']:,.0f} bytes sent per rank per step, gradient exchange "
+                    f"{wire['total'] - other:,.0f}", flush=True)
 
         # Gradient error: params after a few fp32 steps, then one (and 20) exchanges of each format.
         if "error" in parts:
@@ -425,10 +471,10 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
             p = pf.device_put(params, specs)
             exchange = make_exchange(name)
             ex_state = init_exchange_state(exchange, p)
-            opt_state = pf.jit(opt.init, backend=a.backend)(p)
+            opt_state = pf.jit(opt.init, backend=a.slowlink_backend)(p)
             step = make_step(train_step, exchange, in_shardings=(specs, None, None, P("dp")),
-                             donate_argnums=(0, 1), backend=a.backend)
-            comm = sum(step.lower(p, opt_state, ex_state, batch).cost_analysis()["comm_bytes"].values())
+                             donate_argnums=(0, 1), backend=a.slowlink_backend)
+            comm = wire_bytes(step.lower(p, opt_state, ex_state, batch), n)["total"]
             times = []
             for _ in range(3 + a.slowlink_steps):
                 dist.barrier()
@@ -438,13 +484,18 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
                 times.append(time.perf_counter() - start)
             med = statistics.median(times[3:])
             out["formats"][name] = dict(step_ms=med * 1e3, times_ms=[t * 1e3 for t in times[3:]], wire_bytes=comm)
-            say(f"slow link {name}: {med * 1e3:.1f} ms/step, {comm / 2**20:.2f} MiB on the wire per rank", flush=True)
+            say(f"slow link {name}: {med * 1e3:.1f} ms/step, {comm / 2**20:.2f} MiB sent per rank", flush=True)
     out["config"] = dict(ranks=n, width=width, layers=layers, batch_per_rank=a.mlp_batch, params=n_params,
-                         steps=a.slowlink_steps, optimizer="sgd(momentum=0.9)", backend=a.backend)
+                         steps=a.slowlink_steps, optimizer="sgd(momentum=0.9)", backend=a.slowlink_backend)
     return out
 
 
 def worker_main(a: argparse.Namespace) -> None:
+    # Ranks compiling the same kernels at once in one Inductor cache directory race (a rank's C++ compile
+    # found its source file gone): each rank gets its own, kept between runs.
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pf-compression-inductor-{os.environ['RANK']}")
+    )
     import torch.distributed as dist
 
     result = gpt_worker(a) if a.worker == "gpt" else slowlink_worker(a)
@@ -461,12 +512,12 @@ def worker_main(a: argparse.Namespace) -> None:
 def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dict[str, Any] | None
                 ) -> tuple[list[str], list[list[Any]], list[dict[str, Any]]]:
     nan = float("nan")
-    columns = ["format", "wire vs fp32", "grad err", "grad err 20", "val loss", "vs fp32", "bound", "ok",
+    columns = ["format", "exchange wire", "step wire", "grad err", "grad err 20", "val loss", "vs fp32", "bound", "ok",
                "slow-link ms", "speed-up", "seed GB/s"]
     rows: list[list[Any]] = []
     records: list[dict[str, Any]] = []
     for name, err, gbs in SEED_ROWS:
-        rows.append([f"seed {name} (blog)", nan, f"{err:.1%}", nan, nan, nan, "", "", nan, nan, gbs])
+        rows.append([f"seed {name} (blog)", nan, nan, f"{err:.1%}", nan, nan, nan, "", "", nan, nan, gbs])
         records.append(dict(format=f"seed {name}", grad_err=err, allreduce_gb_s=gbs, source="seed document 3.1"))
     fmts = (gpt_res or {}).get("formats", {})
     slow_fmts = (slow or {}).get("formats", {})
@@ -476,11 +527,13 @@ def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dic
         f, sf = fmts.get(name, {}), slow_fmts.get(name, {})
         bound = FORMATS[name][1]
         wire = f["wire_bytes"] / ref["wire_bytes"] if "wire_bytes" in f and ref.get("wire_bytes") else nan
+        ex_wire = (f["exchange_wire_bytes"] / ref["exchange_wire_bytes"]
+                   if "exchange_wire_bytes" in f and ref.get("exchange_wire_bytes") else nan)
         rel = f["val_loss"] / ref["val_loss"] - 1 if "val_loss" in f and "val_loss" in ref else nan
         ok = "" if bound is None or math.isnan(rel) else ("yes" if rel <= bound else "NO")
         speed = slow_ref["step_ms"] / sf["step_ms"] if "step_ms" in sf and "step_ms" in slow_ref else nan
         rows.append([
-            name, wire,
+            name, f"{ex_wire:.3f}" if not math.isnan(ex_wire) else nan, f"{wire:.3f}" if not math.isnan(wire) else nan,
             f"{f['grad_err']:.2%}" if "grad_err" in f else nan,
             f"{f['grad_err_sum']:.2%}" if "grad_err_sum" in f else nan,
             f.get("val_loss", nan),
@@ -491,8 +544,9 @@ def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dic
             f"{speed:.2f}x" if not math.isnan(speed) else nan,
             nan,
         ])
-        records.append(dict(format=name, exchange=FORMATS[name][0], wire_vs_fp32=wire, val_loss_vs_fp32=rel,
-                            bound=bound, within_bound=ok or None, slowlink_speedup=speed, **f,
+        records.append(dict(format=name, exchange=FORMATS[name][0], exchange_wire_vs_fp32=ex_wire,
+                            step_wire_vs_fp32=wire, val_loss_vs_fp32=rel, bound=bound, within_bound=ok or None,
+                            slowlink_speedup=speed, **f,
                             **{f"slowlink_{k}": v for k, v in sf.items()}))
     return columns, rows, records
 
@@ -502,12 +556,21 @@ def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
     import shlex
 
     runs: dict[str, dict[str, Any]] = {}
+    extra = shlex.split(a.gpu_args)
+    if a.smoke:
+        # lm_step's data-parallel step cannot run on the CPU (DTensor has no sharding rule for the CPU flash
+        # attention op), so the smoke run checks this driver on one unsharded CPU process: no reductions to
+        # compress, same flags, same table.
+        a.nproc = 1
+        extra = [*"--layers 1 --d 32 --heads 2 --seq 16 --batch 2 --vocab 64 --steps 2".split(),
+                 *"--device cpu --threads 1 --backend eager --sharding none".split(), *extra]
+    sharding = [] if "--sharding" in extra else ["--sharding", "dp"]
     with tempfile.TemporaryDirectory(prefix="pf-gpu-") as tmp:
         for name in ("fp32", "bf16", "int8"):
             out = os.path.join(tmp, f"{name}.jsonl")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
-                   str(HERE / "lm_step.py"), "--sharding", "dp", "--grad-exchange", name, "--out", out,
-                   *shlex.split(a.gpu_args)]
+            # "--" ends torchrun's own flags: without it argparse reads lm_step's --d as an ambiguous prefix.
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", "--",
+                   str(HERE / "lm_step.py"), *sharding, "--grad-exchange", name, "--out", out, *extra]
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
             runs[name] = json.loads(Path(out).read_text().splitlines()[-1])
@@ -522,8 +585,9 @@ def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
                      r.get("grad_exchange_note", "")])
     verdict = (f"int8+EF costs {cost:+.1%} against the bf16 exchange: "
                + ("within the 3% rule" if cost <= 0.03 else "over the 3% rule: compression should be switched off"))
-    print_table(f"Compressed gradient exchange on {a.nproc} GPUs ({runs['fp32'].get('env', {}).get('gpu', '?')})",
-                columns, rows)
+    env = runs["fp32"].get("env", {})
+    print_table(f"Compressed gradient exchange, data parallel over {a.nproc} x {env.get('gpu', 'CPU')}: "
+                f"lm_step.py {runs['fp32'].get('config')}", columns, rows)
     print(verdict)
     return {"runs": runs, "int8_vs_bf16": cost, "within_3pct": cost <= 0.03, "verdict": verdict}
 
@@ -536,13 +600,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     if a.gpu:
         payload = gpu_main(a)
-        tag = a.tag or "gpu"
+        tag = a.tag or ("gpu_smoke" if a.smoke else "gpu")
     else:
         parts = set(a.parts.split(","))
         unknown = parts - set(PARTS) or set(a.formats.split(",")) - set(FORMATS)
         if unknown:
             raise SystemExit(f"unknown parts/formats: {sorted(unknown)}")
         gpt_res = slow = None
+        if a.reuse:
+            earlier = json.loads(Path(a.reuse).read_text())
+            gpt_res, slow = earlier.get("gpt"), earlier.get("slowlink")
+            print(f"reusing from {a.reuse}: " + ", ".join(k for k in ("gpt", "slowlink") if earlier.get(k)), flush=True)
         if parts & {"wire", "error", "converge"}:
             gpt_res = run_local(a, "gpt", a.ranks, timeout=3600)
         if "slowlink" in parts:
@@ -561,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             title += (f"; slow link: {sc['ranks']} ranks, {slow['network']}, MLP {sc['layers']}x{sc['width']} "
                       f"({sc['params']:,} params), probe {slow['probe']['bus_gbit_s']:.2f} Gbit/s")
         print_table(title, columns, rows)
-        payload = dict(title=title, columns=columns, rows=rows, records=records, gpt=gpt_res, slowlink=slow)
+        payload = dict(title=title, columns=columns, rows=rows, records=records, gpt=gpt_res, slowlink=slow,
+                       reused_from=a.reuse)
         tag = a.tag or ("smoke" if a.smoke else "cpu")
     payload.update(env=environment(), seconds=time.perf_counter() - started, argv=list(argv or sys.argv[1:]))
     path = write_json(a.out or RESULTS / f"compression_{tag}.json", payload)

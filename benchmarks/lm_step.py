@@ -15,6 +15,7 @@ weight_decay=0.01) from `pf.optim`. The params are a nested dict; the whole step
     python benchmarks/lm_step.py --memory-budget 0.5              # pf.jit(memory_budget=0.5)
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp     # batch sharded
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding fsdp   # + params and state
+    torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp --grad-exchange int8
     python benchmarks/lm_step.py --layers 2 --d 64 --heads 4 --seq 32 --batch 2 --vocab 256 --steps 3 \\
         --device cpu --threads 1
 
@@ -44,6 +45,15 @@ import pt3func as pf
 from pt3func import NamedSharding, P
 
 Params = dict[str, Any]
+
+# --grad-exchange name -> the pf.compress format (None: the program's own fp32 all-reduce).
+GRAD_EXCHANGES: dict[str, Any] = {
+    "fp32": None,
+    "bf16": lambda: pf.compress.bf16(),
+    "fp16": lambda: pf.compress.fp16(),
+    "int8": lambda: pf.compress.int8(error_feedback=True),
+    "int4": lambda: pf.compress.int4(error_feedback=True),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,6 +85,13 @@ def parse_args() -> argparse.Namespace:
         default="none",
         help="under torchrun: dp = batch sharded over all ranks (--batch per rank, as the anchor's DDP); "
         "fsdp = params and optimizer state sharded on dim 0 too (where it divides, as the anchor's jax-fsdp)",
+    )
+    p.add_argument(
+        "--grad-exchange",
+        choices=tuple(GRAD_EXCHANGES),
+        default="fp32",
+        help="with --sharding: how gradients are reduced (pf.jit(grad_exchange=...)); fp32: the plain all-reduce; "
+        "int8/int4 with error feedback, its residuals carried in the optimizer state",
     )
     p.add_argument("--overlap", action="store_true", help="Inductor's compute/communication reordering pass")
     p.add_argument(
@@ -168,8 +185,14 @@ def init_params(a: argparse.Namespace, device: torch.device) -> Params:
     }
 
 
-def make_train_step(a: argparse.Namespace, device_type: str) -> tuple[Any, pf.optim.GradientTransformation]:
-    """The whole step as a pure function of (params, opt_state, idx, tgt), and its optimizer."""
+def make_train_step(
+    a: argparse.Namespace, device_type: str, exchange: Any = None
+) -> tuple[Any, pf.optim.GradientTransformation]:
+    """The whole step as a pure function of (params, opt_state, idx, tgt), and its optimizer.
+
+    With a grad `exchange`, `opt_state` is `(optimizer state, exchange state)` and the step's optimizer
+    passes the exchange state through (`pf.compress.with_state`); the returned optimizer is the inner one.
+    """
     heads, head_dim = a.heads, a.d // a.heads
     # In "bf16" mode every activation is bf16, so the weights are cast to it (a LayerNorm's too: its kernel
     # wants one dtype, and accumulates in fp32 regardless). In "autocast" mode nothing is cast by hand.
@@ -212,9 +235,11 @@ def make_train_step(a: argparse.Namespace, device_type: str) -> tuple[Any, pf.op
 
     opt = pf.optim.adamw(3e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)  # torch.optim.AdamW's defaults
 
+    step_opt = opt if exchange is None else pf.compress.with_state(opt, exchange)
+
     def train_step(params: Params, opt_state: Any, idx: torch.Tensor, tgt: torch.Tensor) -> Any:
         loss, grads = pf.value_and_grad(loss_fn)(params, idx, tgt)
-        updates, opt_state = opt.update(grads, opt_state, params)
+        updates, opt_state = step_opt.update(grads, opt_state, params)
         return pf.optim.apply_updates(params, updates), opt_state, loss
 
     return train_step, opt
@@ -250,8 +275,11 @@ def main() -> None:
         )
     params = init_params(a, device)
     assert sum(t.numel() for t in pf.tree.leaves(params)) == n_params, "params differ from the anchor's model"
-    train_step, opt = make_train_step(a, device.type)
-    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend, **memory_options(a))
+    exchange = GRAD_EXCHANGES[a.grad_exchange]() if GRAD_EXCHANGES[a.grad_exchange] else None
+    train_step, opt = make_train_step(a, device.type, exchange)
+    jit_kwargs = {} if exchange is None else {"grad_exchange": exchange}
+    jit_kwargs.update(memory_options(a))
+    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend, **jit_kwargs)
     torch.manual_seed(rank)  # each rank its own batch, as the anchor's DDP
     idx = torch.randint(0, V, (B, S), device=device)
     tgt = torch.randint(0, V, (B, S), device=device)
@@ -263,8 +291,11 @@ def main() -> None:
         )
         params = pf.device_put(params, pf.tree.map(lambda s: NamedSharding(mesh, s), specs))
         opt_state = pf.jit(opt.init, backend=a.backend)(params)  # state created where its shards live
+        if exchange is not None:
+            # (optimizer state, error-feedback residuals): the step donates and returns both.
+            opt_state = (opt_state, exchange.init(params))
     else:
-        opt_state = opt.init(params)
+        opt_state = opt.init(params) if exchange is None else (opt.init(params), exchange.init(params))
 
     precompile_s = None
     if a.timing_lock or a.max_memory_gib:
@@ -342,6 +373,7 @@ def main() -> None:
         policy=a.policy,
         memory_budget=a.memory_budget,
         comm_bytes=cost["comm_bytes"],
+        grad_exchange=a.grad_exchange if exchange is None else f"{a.grad_exchange} ({exchange.describe()})",
         config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),
         env=environment(),
     )
