@@ -243,6 +243,9 @@ class Jitted:
         capture.check_no_input_mutation(gm, graph_labels, self.name)
         if self.grad_exchange is not None:
             gm = _rewrite_grad_exchange(self.name, gm, self.grad_exchange, treedef, out_info, graph_input_leaves)
+        elif grad_exchange.has_state(treedef):
+            log.warning("%s: the step takes an ExchangeState but pf.jit(grad_exchange=...) is not set: gradients "
+                        "are reduced uncompressed and the state comes back unchanged", self.name)
         # Remat before donation: it reasons about a pure graph (donation's in-place copies come last).
         gm = rematerialize(gm)
         if self.memory_budget is not None:

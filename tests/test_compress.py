@@ -189,6 +189,13 @@ def test_one_device_is_a_no_op_except_the_step_counter():
     assert "all_to_all" not in step.lower(params, ex2, *cc.batch(0)).as_text()
 
 
+def test_state_without_grad_exchange_is_reported(caplog):
+    params = cc.init_params()
+    with caplog.at_level("WARNING", logger="pt3func.jit"):
+        pf.jit(cc.grad_step, backend="eager").lower(params, C.int8().init(params), *cc.batch(0))
+    assert "grad_exchange=...) is not set" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------ gloo worlds
 
 @pytest.fixture(scope="module")
@@ -378,3 +385,25 @@ def test_inductor_compiles_the_rewritten_program():
             results[backend] = pf.device_get((grads, ex.leaves))
     for a, b in zip(pf.tree.leaves(results["eager"]), pf.tree.leaves(results["inductor"])):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_rewritten_collectives_stay_tagged_with_their_leaf_and_are_not_rewritten_twice():
+    ops = torch.ops._c10d_functional
+
+    def program(x, step):
+        return [ops.wait_tensor(ops.all_reduce(x, "sum", "group0")) * 2, step]
+
+    gm = make_fx(program, tracing_mode="fake")(torch.empty(64, 32), torch.zeros((), dtype=torch.int64))
+    next(n for n in gm.graph.nodes if "all_reduce" in str(n.target)).meta["custom"] = {GRAD_OF: "params['w']"}
+    fmt = C.powersgd(2, error_feedback=False, warm_start=False)  # a fresh Q from the step counter each step
+    binding = grad_exchange.StateBinding(fmt, None, step_in=1, step_out=1)
+    gm = grad_exchange.rewrite(gm, fmt, binding, group_info=lambda n: (4, 0))
+    got = _collectives(gm)
+    assert [(k, shape) for k, _, shape, _ in got] == [("all_reduce", (64, 2)), ("all_reduce", (32, 2))]
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "c10d" in str(node.target):
+            assert node.meta["custom"][GRAD_OF] == "params['w']"
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert outputs[1].target is torch.ops.aten.add.Tensor  # the step counter goes up
+    again = grad_exchange.rewrite(gm, C.bf16(), group_info=lambda n: (4, 0))
+    assert _collectives(again) == got

@@ -28,6 +28,9 @@ from pt3func.compress.state import ExchangeState, LeafState, is_leaf_state, is_s
 from pt3func.spmd.lower import GRAD_OF
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+# Set on every node the pass writes: its collectives still exchange a gradient (tagged GRAD_OF with the leaf, for
+# analyses of gradient traffic), but they are already compressed.
+COMPRESSED = "pt3func_compressed"
 _KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
 # The argument of a step a leaf label starts with: a parameter name, or args[i] for *args.
 _ARG = re.compile(r"([A-Za-z_]\w*|args\[\d+\])(.*)$", re.S)
@@ -64,6 +67,8 @@ def gradient_reductions(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, str]
         label = (node.meta.get("custom") or {}).get(GRAD_OF)
         users = list(node.users)
         if label is None or len(users) != 1 or users[0].target is not _WAIT:
+            continue
+        if node.meta["custom"].get(COMPRESSED):
             continue
         if node.args[1] not in ("sum", "avg"):
             continue
@@ -148,7 +153,7 @@ def rewrite(
             return [out, *(new[n].reshape(1, *_shapes[n]) for n in _names)]
 
         why = f"grad of {label} ({leaf_fmt.describe()})"
-        results = _inline(gm, collective, compressed, inputs, why)
+        results = _inline(gm, collective, compressed, inputs, {"pt3func": why, GRAD_OF: label, COMPRESSED: True})
         wait.replace_all_uses_with(results[0])
         gm.graph.erase_node(wait)
         gm.graph.erase_node(collective)
@@ -179,8 +184,11 @@ def rewrite(
     return gm
 
 
-def _inline(gm: fx.GraphModule, before: fx.Node, fn: Callable, inputs: list[fx.Node], why: str) -> list[fx.Node]:
-    """Trace `fn` on the fake values of `inputs` and copy its graph into `gm` before `before`."""
+def _inline(
+    gm: fx.GraphModule, before: fx.Node, fn: Callable, inputs: list[fx.Node], custom: dict[str, Any]
+) -> list[fx.Node]:
+    """Trace `fn` on the fake values of `inputs` and copy its graph into `gm` before `before`, each new node
+    with `custom` as its `meta["custom"]`."""
     from pt3func.trace.capture import TRACE_LOCK
 
     with TRACE_LOCK:
@@ -203,7 +211,7 @@ def _inline(gm: fx.GraphModule, before: fx.Node, fn: Callable, inputs: list[fx.N
             else:
                 new = gm.graph.node_copy(node, lambda n: env[n])
                 new.meta = dict(node.meta)
-                new.meta["custom"] = {"pt3func": why}
+                new.meta["custom"] = dict(custom)
                 if "stack_trace" in before.meta:
                     new.meta["stack_trace"] = before.meta["stack_trace"]
                 env[node] = new
@@ -255,6 +263,11 @@ def bind(
             None if out is None else LeafState(*(None if j is None else gout.get(j) for j in out)),
         )
     return binding
+
+
+def has_state(treedef: Any) -> bool:
+    """Whether a call of this structure passes an `ExchangeState`."""
+    return bool(_states(tree.unflatten(treedef, list(range(treedef.num_leaves)))))
 
 
 def _states(skeleton: Any) -> list[ExchangeState]:
