@@ -17,7 +17,7 @@ from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.overlap import sink_waits
-from pt3func.passes.remat import remat_notes, rematerialize
+from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
 from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
@@ -250,6 +250,8 @@ class Jitted:
         gm = rematerialize(gm)
         if self.memory_budget is not None:
             gm = fit_memory_budget(gm, float(self.memory_budget))
+        if self.backend == "inductor":
+            gm = fence_recomputation(gm)  # else Inductor fuses recomputation back into the forward
 
         out_treedef = out_info["treedef"]
         out_leaves = out_info["leaves"]

@@ -17,6 +17,7 @@ from pt3func.passes.remat import (
     Policy,
     alias_root,
     apply_remat,
+    fence_recomputation,
     is_random,
     plan_from_policies,
     rematerialize,
@@ -357,6 +358,23 @@ def test_pass_recomputes_chain_before_first_backward_use():
     backward_mul = next(n for n in nodes if n.target is aten.mul.Tensor and n.args[0].target is aten.ones_like.default)
     assert backward_mul.args[1] is copies[2]
     assert copies[0].meta["custom"][REGION_KEY] == "1"  # annotations kept on copies
+
+
+def test_fence_makes_recomputation_wait_for_the_backward():
+    gm = fence_recomputation(rematerialize(_graph(CP.nothing_saveable)))
+    nodes = list(gm.graph.nodes)
+    where = [n for n in nodes if n.target is aten.where.ScalarSelf]
+    assert len(where) == 2  # x and w, each read once through the fence
+    never = where[0].args[0]
+    assert never.target is aten.logical_and.default
+    token = never.args[0].args[0]
+    while token.target is aten.select.int:
+        token = token.args[0]
+    assert token.target is aten.ones_like.default  # the backward value computed just before the copies
+    mm_copy = next(n for n in nodes if n.target is aten.mm.default and n is not nodes[2])
+    assert set(mm_copy.args) == set(where)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(gm(x, w), rematerialize(_graph(CP.nothing_saveable))(x, w), rtol=0, atol=0)
 
 
 def test_pass_keeps_what_the_policy_saves():

@@ -454,3 +454,97 @@ def remat_notes(gm: fx.GraphModule) -> dict[fx.Node, str]:
         if why.startswith(("remat of", "reload of", "offload of")):
             notes[node] = why.upper().split(" ", 1)[0] + " " + why.split(" ", 1)[1]
     return notes
+
+
+def _is_copy(node: fx.Node) -> bool:
+    return str(custom(node).get("pt3func", "")).startswith(("remat of", "reload of"))
+
+
+def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
+    """Keep a compiler from hoisting recomputation back into the forward (Graph -> Graph, in place).
+
+    Inductor fuses a consumer into its producer kernel whatever the distance between them: a recomputed
+    `layer_norm(x)` would be computed with the forward's `x` kernel and kept until the backward, undoing
+    remat. Each value a group of copies reads from the forward goes through `where(never, 0, value)`,
+    with `never` derived from a backward value computed just before the group (`isnan(t) & isinf(t)` of one
+    element of it: always False, which no compiler folds): the copies now depend on the backward, so they
+    cannot run earlier, and the select fuses into their first kernel (no copy) for pointwise/reduction
+    consumers. The value is passed through bit for bit.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    fenced = False
+    last_backward: fx.Node | None = None
+    groups: dict[fx.Node, fx.Node] = {}  # first copy of a group -> the backward token before it
+    previous_copy = False
+    for node in nodes:
+        copy = _is_copy(node)
+        if copy and not previous_copy and last_backward is not None:
+            groups[node] = last_backward
+        if not copy and is_backward(node) and isinstance(node.meta.get("val"), torch.Tensor):
+            if node.meta["val"].numel() > 0:
+                last_backward = node
+        previous_copy = copy
+    token: fx.Node | None = None
+    never: fx.Node | None = None
+    fences: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node in groups:
+            token, never, fences = groups[node], None, {}
+        if not _is_copy(node) or token is None:
+            continue
+        for inp in list(node.all_input_nodes):
+            if _is_copy(inp) or inp.op == "get_attr" or not isinstance(inp.meta.get("val"), torch.Tensor):
+                continue
+            if inp not in fences:
+                with graph.inserting_before(node):
+                    if never is None:
+                        never = _never(graph, token, node)
+                    fences[inp] = _select(graph, never, inp, node)
+                fenced = True
+            node.replace_input_with(inp, fences[inp])
+    if fenced:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _fence_meta(node: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
+    node.meta = {"custom": {**custom(like), "pt3func": f"remat of %{like.name} (fence)"}, "val": val}
+    if "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+
+
+def _never(graph: fx.Graph, token: fx.Node, at: fx.Node) -> fx.Node:
+    """A 0-d bool that is always False but computed from `token` (one element of it)."""
+    from torch._guards import detect_fake_mode
+
+    val = token.meta["val"]
+    mode = detect_fake_mode([val])
+    element = token
+    with mode if mode is not None else contextlib.nullcontext():
+        elem_val = val
+        for _ in range(val.dim()):
+            element = graph.call_function(torch.ops.aten.select.int, (element, 0, 0))
+            elem_val = elem_val.select(0, 0)
+            _fence_meta(element, at, elem_val)
+        nan = graph.call_function(torch.ops.aten.isnan.default, (element,))
+        _fence_meta(nan, at, torch.isnan(elem_val))
+        inf = graph.call_function(torch.ops.aten.isinf.default, (element,))
+        _fence_meta(inf, at, torch.isinf(elem_val))
+        never = graph.call_function(torch.ops.aten.logical_and.default, (nan, inf))
+        _fence_meta(never, at, torch.logical_and(torch.isnan(elem_val), torch.isinf(elem_val)))
+    return never
+
+
+def _select(graph: fx.Graph, never: fx.Node, value: fx.Node, at: fx.Node) -> fx.Node:
+    from torch._guards import detect_fake_mode
+
+    val = value.meta["val"]
+    zero = False if val.dtype == torch.bool else 0
+    node = graph.call_function(torch.ops.aten.where.ScalarSelf, (never, zero, value))
+    mode = detect_fake_mode([val])
+    with mode if mode is not None else contextlib.nullcontext():
+        out = torch.where(never.meta["val"], zero, val)
+    _fence_meta(node, at, out)
+    return node
