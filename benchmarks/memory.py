@@ -191,8 +191,9 @@ def peak_gib(record: dict[str, Any]) -> float:
 def row(run: Run) -> list[Any]:
     r = run.record
     if "error" in r or r.get("oom"):
-        return [run.name, run.batch, math.nan, math.nan, math.nan, math.nan, r.get("error", "OOM")[:60]]
+        return [run.name, run.batch, math.nan, math.nan, math.nan, math.nan, math.nan, r.get("error", "OOM")[:60]]
     estimate = r.get("pf_compiled_peak_bytes")
+    ratio = r.get("pf_compiled_peak_over_measured")
     return [
         run.name,
         run.batch,
@@ -200,11 +201,13 @@ def row(run: Run) -> list[Any]:
         float(r["tokens_per_s"]),
         peak_gib(r),
         estimate / GIB if estimate is not None else math.nan,
+        float(ratio) if ratio is not None else math.nan,
         "",
     ]
 
 
-COLUMNS = ["run", "batch", "step ms", "tokens/s", "peak GiB", "estimate GiB", "note"]
+# "estimate": Compiled.memory_analysis()'s peak; "est./peak": its ratio to the measured peak (target 0.9-1.1).
+COLUMNS = ["run", "batch", "step ms", "tokens/s", "peak GiB", "estimate GiB", "est./peak", "note"]
 
 
 def plan_a(batch: int, cpu: bool) -> list[Run]:
