@@ -96,18 +96,25 @@ def plan_budget(gm: fx.GraphModule, budget: float) -> RematPlan:
     candidates = [o for o in owners if o not in fixed]
     fixed_bytes = sum(_nbytes(o.meta.get("val")) for o in fixed)
     target = budget * total
-    room = target - fixed_bytes
     best: tuple[int, set[fx.Node]] | None = None
-    for _ in range(8):
-        keep = _knapsack(candidates, room) if room > 0 and budget > 0 else []
-        dropped = set(candidates) - set(keep)
-        recompute, cut_bytes = _min_cut(forward, roots, can, set(keep), dropped)
-        kept_bytes = cut_bytes + sum(_nbytes(k.meta.get("val")) for k in keep)
-        if best is None or kept_bytes < best[0]:
-            best = (kept_bytes, recompute)
-        if kept_bytes <= target or not keep:
-            return RematPlan(recompute, set())
-        room -= kept_bytes - target  # what the cut added beyond the budget comes out of the knapsack
+    # First with long recompute chains banned (better peak); if that cannot meet the budget, without.
+    for ban_long in (budget > 0, False):
+        room = target - fixed_bytes
+        for _ in range(8):
+            keep = _knapsack(candidates, room) if room > 0 and budget > 0 else []
+            long = _long_chains(graph, forward, can, set(keep)) if ban_long else set()
+            dropped = set(candidates) - set(keep) - long
+            recompute, cut_bytes = _min_cut(forward, roots, can, set(keep), dropped, long)
+            kept_bytes = cut_bytes + sum(_nbytes(k.meta.get("val")) for k in keep)
+            if best is None or kept_bytes < best[0]:
+                best = (kept_bytes, recompute)
+            if kept_bytes <= target:
+                return RematPlan(recompute, set())
+            if not keep:
+                break
+            room -= kept_bytes - target  # what the cut added beyond the budget comes out of the knapsack
+        if not ban_long:
+            break
     return RematPlan(best[1], set())
 
 
@@ -148,10 +155,43 @@ def _knapsack(candidates: list[fx.Node], room: float) -> list[fx.Node]:
     return [candidates[i] for i in keep]
 
 
+def _long_chains(graph: fx.Graph, forward: set[fx.Node], can: Recomputability, kept: set[fx.Node]) -> set[fx.Node]:
+    """Values whose recomputation would reach far back through the forward: keep them instead.
+
+    Recomputing a value whose chain reaches back a long way (a residual stream back to the embedding) brings
+    all of that chain's values to life at the start of the backward, where they stay until their own
+    backward use, so the peak does not fall. As torch's partitioner bans recomputing long fusible chains,
+    a value whose recompute chain (through values not kept) spans more than an eighth of the forward is kept.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = sorted(forward, key=order.__getitem__)
+    width = max(64, len(nodes) // 8)
+    reach: dict[fx.Node, int] = {}
+    long: set[fx.Node] = set()
+    for n in nodes:
+        start = order[n]
+        if can(n) and not _free(n) and n not in kept:
+            for m in n.all_input_nodes:
+                if m in reach:
+                    start = min(start, reach[m])
+            if order[n] - start > width:
+                long.add(n)
+                start = order[n]
+        reach[n] = start if can(n) and not _free(n) and n not in kept else order[n]
+    return long
+
+
 def _min_cut(
-    forward: set[fx.Node], roots: list[fx.Node], can: Recomputability, kept: set[fx.Node], dropped: set[fx.Node]
+    forward: set[fx.Node],
+    roots: list[fx.Node],
+    can: Recomputability,
+    kept: set[fx.Node],
+    dropped: set[fx.Node],
+    banned: set[fx.Node] = frozenset(),
 ) -> tuple[set[fx.Node], int]:
-    """Min-cut of the forward graph: (nodes to recompute, bytes of what it keeps beyond `kept`)."""
+    """Min-cut of the forward graph: (nodes to recompute, bytes of what it keeps beyond `kept`).
+
+    `dropped` must be recomputed if needed; `banned` must not be (kept if needed)."""
     import networkx as nx
 
     g = nx.DiGraph()
@@ -161,7 +201,7 @@ def _min_cut(
         size = _nbytes(n.meta.get("val"))
         if _free(n) or n in kept:
             capacity = 0.0
-        elif not can(n):
+        elif not can(n) or n in banned:
             capacity = float(size)
         elif n in dropped or is_view(n) or _multi_output(n):
             capacity = math.inf  # keep the getitems of a multi-output op, not its tuple
@@ -169,7 +209,7 @@ def _min_cut(
             # Ties (same bytes before and after a cheap op) go to the later value: less to recompute.
             capacity = size * (1.0 + 1e-3 * (1.0 - order[n] / span))
         g.add_edge(("in", n), ("out", n), capacity=capacity)
-        if _free(n) or n in kept or not can(n):
+        if _free(n) or n in kept or not can(n) or n in banned:
             g.add_edge("source", ("in", n), capacity=math.inf)
         for inp in n.all_input_nodes:
             if inp in forward:
@@ -177,7 +217,7 @@ def _min_cut(
     for r in roots:
         g.add_edge(("out", r), "sink", capacity=math.inf)
     _, (reachable, _) = nx.minimum_cut(g, "source", "sink")
-    recompute = {n for n in forward if ("in", n) not in reachable and can(n)}
+    recompute = {n for n in forward if ("in", n) not in reachable and can(n) and n not in banned}
     kept_now = {n for n in forward if ("in", n) in reachable and ("out", n) not in reachable}
     extra = {alias_root(n) for n in kept_now} - kept
     return recompute, sum(_nbytes(n.meta.get("val")) for n in extra if not _free(n))
