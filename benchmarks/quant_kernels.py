@@ -32,7 +32,7 @@ from typing import Any
 
 SIZES = {"gpu": [64 * 2**20, 256 * 2**20, 2**30], "small": [64 * 2**10, 256 * 2**10]}
 # (elements per program, warps): the sweep. The first entry is overwritten by the kernels' defaults.
-SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)]
+SWEEP = [(1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,6 +78,7 @@ from pt3func.kernels import reference, triton_available  # noqa: E402
 KERNELS: dict[str, tuple[int, bool | None, bool | None]] = {
     "int8 quantise": (8, False, False),
     "int8 quantise + EF": (8, True, False),
+    "int8 stochastic": (8, False, True),
     "int8 stochastic + EF": (8, True, True),
     "int4 quantise": (4, False, False),
     "int4 quantise + EF": (4, True, False),

@@ -49,6 +49,10 @@ INTERPRETER_CASES = {
         "stochastic": dict(n=1000, block=64, stochastic=True, seed=123456789012),
         "stochastic-ef-bf16": dict(n=555, block=50, dtype="bfloat16", residual=True, stochastic=True, seed=-7),
         "block-1-int8-or-2-int4": dict(n=37, block=1 if bits == 8 else 2, elems_per_program=16),
+        "stochastic-odd-block-int8": dict(n=500, block=37 if bits == 8 else 38, stochastic=True, seed=99),
+        "even-tiles-ef": dict(n=2048, block=64, residual=True, elems_per_program=512),  # unmasked kernels
+        "even-tiles-stochastic-ef": dict(n=2048, block=64, residual=True, stochastic=True, seed=5,
+                                         elems_per_program=256),
     }.items()
 }
 
@@ -223,6 +227,26 @@ def test_hash_matches_plain_python_and_is_uniform():
     assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.02  # neighbours independent
     other = reference.uniform_hash(torch.tensor(seed + 1), 1 << 16)
     assert (other != u).float().mean() > 0.99
+
+
+def test_dither_matches_plain_python_and_is_symmetric():
+    def lowbias32(h: int) -> int:
+        m = 0xFFFFFFFF
+        h ^= h >> 16
+        h = (h * reference.MIX1) & m
+        h ^= h >> 15
+        h = (h * reference.MIX2) & m
+        return h ^ (h >> 16)
+
+    seed = -3  # two's complement: low 32 bits
+    w = reference.dither(torch.tensor(seed), 1 << 16)
+    sh = lowbias32(seed & 0xFFFFFFFF)
+    for i in (0, 1, 2, 3, 1001, 65535):
+        h = lowbias32(((i >> 1) * reference.GOLDEN + sh) & 0xFFFFFFFF)
+        b = (h >> 16) if i % 2 else (h & 0xFFFF)
+        assert w[i].item() == (b + 0.5) * 2.0**-16 - 0.5
+    assert -0.5 < w.min() and w.max() < 0.5 and abs(w.mean().item()) < 0.005
+    assert abs(torch.corrcoef(torch.stack([w[0::2], w[1::2]]))[0, 1].item()) < 0.02  # the two halves of a hash
 
 
 def test_bad_arguments_raise():

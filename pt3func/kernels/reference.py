@@ -4,7 +4,8 @@ Format (see README, "Quantisation kernels"):
 - `x` is flattened and zero-padded to `padded_numel(numel, bits, block)`; block `i` is elements
   `[i * block, (i + 1) * block)` of the padded buffer.
 - `scales[i] = absmax_i / qmax` (fp32, IEEE division), `qmax = 127` for int8 and `7` for int4 (symmetric).
-- `q = clamp(y * inv_i, -qmax, qmax)` rounded half to even (or stochastically: `floor(. + u)`, clamped again),
+- `q = round(clamp(y * inv_i, -qmax, qmax) [+ w])`, rounded half to even; `w` is the stochastic-rounding dither
+  (`dither` below; absent for round-to-nearest),
   with `inv_i = min(qmax / absmax_i, FLT_MAX)` (one IEEE division per block, then a multiply per element; the
   `min` makes an all-zero block, and blocks so tiny that `qmax / absmax` overflows, quantise to finite values).
 - A block holding a NaN or inf gets `absmax = inf` (NaN counts as inf), so scale inf and q 0 for every element:
@@ -26,13 +27,17 @@ import torch.nn.functional as F
 QMAX = {8: 127, 4: 7}
 FLT_MAX = torch.finfo(torch.float32).max
 
-# Counter-based random numbers for stochastic rounding. `u(seed, i)` depends only on the seed and the element's
-# index in the padded buffer, so the torch reference and the Triton kernel (triton_quant.py imports these
-# constants) draw the same bits, any kernel decomposition draws the same bits, and it costs a few integer ops per
-# element instead of Philox's rounds (tl.rand made stochastic rounding 4x slower than round-to-nearest on an H200).
-# The mixer is Chris Wellons' "lowbias32" (a bijection on 32-bit words with low avalanche bias):
+# Counter-based random numbers for stochastic rounding. The dither of an element depends only on the seed and the
+# element's index in the padded buffer, so the torch reference and the Triton kernel (triton_quant.py imports these
+# constants) draw the same bits whatever the kernel's tiling, at a few integer ops per element instead of Philox's
+# rounds (tl.rand made stochastic rounding 4x slower than round-to-nearest on an H200). The mixer is Chris
+# Wellons' "lowbias32" (a bijection on 32-bit words with low avalanche bias):
 #   h ^= h >> 16; h *= MIX1; h ^= h >> 15; h *= MIX2; h ^= h >> 16
-# key(i) = i * GOLDEN + lowbias32(seed) (mod 2**32), u = (lowbias32(key) >> 8) * 2**-24 in [0, 1).
+# One hash serves a pair of neighbouring elements (16 bits each; the kernels are bound by instructions per element,
+# not by memory, once rounding is stochastic): for element i, h = lowbias32((i >> 1) * GOLDEN + lowbias32(seed))
+# (mod 2**32), b = the low 16 bits of h for even i, the high 16 bits for odd i, and the dither is
+# w = (b + 1/2) * 2**-16 - 1/2, in (-1/2, 1/2), symmetric about 0 and never exactly +-1/2.
+# Stochastic rounding is then round-half-even(v + w), which is unbiased: E[round(v + w)] = v.
 MIX1 = 0x7FEB352D
 MIX2 = 0x846CA68B
 GOLDEN = 0x9E3779B9
@@ -76,6 +81,15 @@ def uniform_hash(seed: torch.Tensor, n: int, device: torch.device | str | None =
     return (lowbias32(key) >> 8).to(torch.float32) * (2.0**-24)
 
 
+def dither(seed: torch.Tensor, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The stochastic-rounding offsets `w` in (-1/2, 1/2) of elements 0..n-1 under `seed` (0-d int tensor)."""
+    seed = seed.to(device=device, dtype=torch.int64) & _MASK32
+    index = torch.arange(n, dtype=torch.int64, device=device)
+    h = lowbias32((_mul32(index >> 1, GOLDEN) + lowbias32(seed)) & _MASK32)
+    b = (h >> ((index & 1) * 16)) & 0xFFFF
+    return b.to(torch.float32) * 2.0**-16 + (2.0**-17 - 0.5)  # exact: every value lies on the 2**-17 grid
+
+
 def quantize_blockwise(
     x: torch.Tensor,
     bits: int,
@@ -102,12 +116,12 @@ def quantize_blockwise(
     scales = absmax / qm
     inv = torch.clamp(qm / absmax, max=FLT_MAX)
     t = yb * inv[:, None]
+    # |t| <= qmax (1 + 2**-23) already, so for round-to-nearest the clamp only documents the range; for stochastic
+    # rounding it keeps t + w inside (-qmax - 1/2, qmax + 1/2).
     t = torch.clamp(torch.where(t == t, t, 0.0), -qmax, qmax)
     if stochastic:
-        u = uniform_hash(seed, padded, x.device).view(-1, block)
-        t = torch.clamp(torch.floor(t + u), -qmax, qmax)
-    else:
-        t = torch.round(t)  # half to even
+        t = t + dither(seed, padded, x.device).view(-1, block)
+    t = torch.round(t)  # half to even
     new_residual = None
     if residual is not None:
         new_residual = (yb - t * scales[:, None]).reshape(-1)[:n].view(residual.shape)

@@ -8,7 +8,12 @@ Bit-exactness with the reference rests on doing the same IEEE fp32 operations in
 - the two divisions per block use `div_rn` (Triton's `/` is an approximate division on NVIDIA GPUs);
 - kernels are launched with `enable_fp_fusion=False`, so `y * inv + c` and `y - q * scale` are not contracted
   into FMAs (one rounding instead of the reference's two);
-- round half to even is `(t + 1.5 * 2**23) - 1.5 * 2**23`, exact for |t| < 2**22 (here |t| <= 127).
+- round half to even is `t + 1.5 * 2**23`, exact for |t| < 2**22 (here |t| <= 127.5), which also leaves q in the
+  low mantissa bits (no float-to-int conversion); int4 nibbles become floats the same way in reverse.
+
+The kernels are bound by instructions per element rather than by memory once the stored format is small (int4, or
+stochastic rounding), so they avoid masks when the tiles cover the buffer exactly, hash once per pair of elements
+for the dither, and use bit tricks instead of conversions.
 
 Import this module only when triton is importable (`pt3func.kernels.triton_available()`). It runs on CPU
 tensors under `TRITON_INTERPRET=1` (how CI tests it).
@@ -26,11 +31,12 @@ _MIX1 = tl.constexpr(reference.MIX1)
 _MIX2 = tl.constexpr(reference.MIX2)
 _GOLDEN = tl.constexpr(reference.GOLDEN)
 _FLT_MAX = tl.constexpr(reference.FLT_MAX)
-_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds to an integer, half to even
+_DITHER_SHIFT = tl.constexpr(1.5 - 2.0**-17)  # (1 + b * 2**-16) - this = (b + 1/2) * 2**-16 - 1/2, exactly
 
-# Elements per program and warps when the caller does not pick (benchmarks/quant_kernels.py sweeps them).
-DEFAULT_ELEMS_PER_PROGRAM = 8192
-DEFAULT_NUM_WARPS = 8
+# Elements per program and warps when the caller does not pick: the best single configuration of
+# benchmarks/quant_kernels.py's sweep on an H200 (results/quant_kernels_h200.json).
+DEFAULT_ELEMS_PER_PROGRAM = 2048
+DEFAULT_NUM_WARPS = 4
 
 
 @triton.jit
@@ -63,17 +69,39 @@ def _tile(pid, BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, WIDE
 
 
 @triton.jit
+def _dither_pairs(pair, seed_h):
+    """`reference.dither` of elements 2p and 2p + 1 for pair indices p: one hash, 16 bits each."""
+    h = _lowbias32(pair.to(tl.uint32) * _GOLDEN + seed_h)
+    lo = (((h << 7) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + b * 2**-16, b = h & 0xFFFF
+    hi = (((h >> 9) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True)  # b = h >> 16
+    return lo - _DITHER_SHIFT, hi - _DITHER_SHIFT
+
+
+@triton.jit
+def _dither_elements(offs, seed_h):
+    """`reference.dither` per element (blocks of odd length, whose pairs straddle tile rows)."""
+    h = _lowbias32((offs >> 1).to(tl.uint32) * _GOLDEN + seed_h)
+    b = h >> ((offs & 1) * 16).to(tl.uint32)
+    return (((b << 7) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True) - _DITHER_SHIFT
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, r_ptr, seed_ptr, q_ptr, s_ptr, nr_ptr, numel, nblocks,
     BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, QMAX: tl.constexpr,
-    INT4: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr, WIDE: tl.constexpr,
+    INT4: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     rows, offs, in_block = _tile(tl.program_id(0), BLOCK, WIDTH, BPP, WIDE)
-    row_ok = rows < nblocks
-    valid = in_block & (offs < numel)
-    y = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y = y + tl.load(r_ptr + offs, mask=valid, other=0.0)
+    if EVEN:  # whole blocks of a power-of-two length, whole programs: no masks (fewer instructions per element)
+        y = tl.load(x_ptr + offs).to(tl.float32)
+        if HAS_RES:
+            y = y + tl.load(r_ptr + offs)
+    else:
+        valid = in_block & (offs < numel)
+        y = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        if HAS_RES:
+            y = y + tl.load(r_ptr + offs, mask=valid, other=0.0)
     # NaN counts as inf (tl.max would skip it), so a block with a non-finite value gets scale inf, q 0 (the
     # `t == t` select) and dequantises to non-finite values, the same on every backend.
     absmax = tl.max(tl.where(y == y, tl.abs(y), float("inf")), axis=1)
@@ -81,56 +109,94 @@ def _quantize_kernel(
     scale = tl.math.div_rn(absmax, qm)
     inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
     t = y * inv[:, None]
-    t = tl.minimum(tl.maximum(tl.where(t == t, t, 0.0), -QMAX), QMAX)
+    t = tl.where(t == t, t, 0.0)
+    # Rounding to nearest needs no clamp (|t| <= qmax (1 + 2**-23) rounds into range); adding the dither does.
     if STOCH:
-        seed_h = _lowbias32(tl.load(seed_ptr).to(tl.uint32))
-        h = _lowbias32(offs.to(tl.uint32) * _GOLDEN + seed_h)
-        u = (h >> 8).to(tl.float32) * (2.0**-24)
-        t = tl.floor(t + u)
         t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
-    else:
-        t = (t + _RNE_MAGIC) - _RNE_MAGIC
+        seed_h = _lowbias32(tl.load(seed_ptr).to(tl.uint32))
+        if BLOCK % 2 == 0:
+            pair = rows[:, None] * (BLOCK // 2) + tl.arange(0, WIDTH // 2)[None, :]
+            w_lo, w_hi = _dither_pairs(pair, seed_h)
+            t = t + tl.reshape(tl.join(w_lo, w_hi), (BPP, WIDTH))
+        else:
+            t = t + _dither_elements(offs, seed_h)
+    # Adding MAGIC (1.5 * 2**23, + 8 for int4) rounds half to even and leaves the integer in the low mantissa bits:
+    # for int8 the low byte is q in two's complement; for int4 the low nibble is q + 8.
+    r = t + MAGIC
+    qbits = r.to(tl.uint32, bitcast=True)
     if HAS_RES:
-        tl.store(nr_ptr + offs, y - t * scale[:, None], mask=valid)
-    tl.store(s_ptr + rows, scale, mask=row_ok)
-    if INT4:
-        # Neighbouring elements (2j, 2j + 1) -> low and high nibble of byte j, each stored as value + 8.
-        lo, hi = tl.split(tl.reshape((t + 8.0).to(tl.uint8), (BPP, WIDTH // 2, 2)))
-        bcols = tl.arange(0, WIDTH // 2)[None, :]
-        tl.store(q_ptr + rows[:, None] * (BLOCK // 2) + bcols, lo | (hi << 4),
-                 mask=row_ok[:, None] & (bcols < BLOCK // 2))
+        new_res = y - (r - MAGIC) * scale[:, None]
+        if EVEN:
+            tl.store(nr_ptr + offs, new_res)
+        else:
+            tl.store(nr_ptr + offs, new_res, mask=valid)
+    if EVEN:
+        tl.store(s_ptr + rows, scale)
     else:
-        tl.store(q_ptr + offs, t.to(tl.int8), mask=row_ok[:, None] & in_block)
+        tl.store(s_ptr + rows, scale, mask=rows < nblocks)
+    if INT4:
+        # Neighbouring elements (2j, 2j + 1) -> low and high nibble of byte j.
+        lo, hi = tl.split(tl.reshape(qbits & 0xF, (BPP, WIDTH // 2, 2)))
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        bcols = tl.arange(0, WIDTH // 2)[None, :]
+        bptr = q_ptr + rows[:, None] * (BLOCK // 2) + bcols
+        if EVEN:
+            tl.store(bptr, byte)
+        else:
+            tl.store(bptr, byte, mask=(rows < nblocks)[:, None] & (bcols < BLOCK // 2))
+    else:
+        q = qbits.to(tl.int8)  # truncation keeps the low byte
+        if EVEN:
+            tl.store(q_ptr + offs, q)
+        else:
+            tl.store(q_ptr + offs, q, mask=(rows < nblocks)[:, None] & in_block)
 
 
 @triton.jit
 def _dequantize_kernel(
     q_ptr, s_ptr, out_ptr, numel, nblocks,
     BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, INT4: tl.constexpr, WIDE: tl.constexpr,
-    BF16: tl.constexpr,
+    BF16: tl.constexpr, EVEN: tl.constexpr,
 ):
     rows, offs, in_block = _tile(tl.program_id(0), BLOCK, WIDTH, BPP, WIDE)
     row_ok = rows < nblocks
     valid = in_block & (offs < numel)
-    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    if EVEN:
+        scale = tl.load(s_ptr + rows)
+    else:
+        scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if INT4:
         bcols = tl.arange(0, WIDTH // 2)[None, :]
-        b = tl.load(q_ptr + rows[:, None] * (BLOCK // 2) + bcols, mask=row_ok[:, None] & (bcols < BLOCK // 2),
-                    other=0).to(tl.int32)
-        qf = tl.reshape(tl.join((b & 15) - 8, (b >> 4) - 8), (BPP, WIDTH)).to(tl.float32)
+        bptr = q_ptr + rows[:, None] * (BLOCK // 2) + bcols
+        if EVEN:
+            b = tl.load(bptr).to(tl.uint32)
+        else:
+            b = tl.load(bptr, mask=row_ok[:, None] & (bcols < BLOCK // 2), other=0).to(tl.uint32)
+        # A nibble n as float: the bits of 2**23 + n, minus 2**23 + 8 (exact, and no int-to-float conversion).
+        lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        qf = tl.reshape(tl.join(lo, hi), (BPP, WIDTH))
+    elif EVEN:
+        qf = tl.load(q_ptr + offs).to(tl.float32)
     else:
         qf = tl.load(q_ptr + offs, mask=valid, other=0).to(tl.float32)
     out = qf * scale[:, None]
     if BF16:
         out = _to_bf16(out)
-    tl.store(out_ptr + offs, out, mask=valid)
+    if EVEN:
+        tl.store(out_ptr + offs, out)
+    else:
+        tl.store(out_ptr + offs, out, mask=valid)
 
 
-def _launch_shape(block: int, padded: int, elems_per_program: int | None) -> tuple[int, int, int]:
-    """(WIDTH, blocks per program, programs): WIDTH is at least 2 so int4's pairs exist even for tiny blocks."""
+def _launch_shape(block: int, numel: int, padded: int, elems_per_program: int | None) -> dict[str, int]:
+    """WIDTH (at least 2, so int4's pairs exist even for tiny blocks), blocks per program, programs, and whether
+    the tiles cover the elements exactly (no masks needed)."""
     width = max(2, triton.next_power_of_2(block))
     bpp = triton.next_power_of_2(max(1, (elems_per_program or DEFAULT_ELEMS_PER_PROGRAM) // width))
-    return width, bpp, triton.cdiv(padded // block, bpp)
+    grid = triton.cdiv(padded // block, bpp)
+    return dict(WIDTH=width, BPP=bpp, grid=grid, EVEN=width == block and numel % (bpp * block) == 0,
+                WIDE=grid * bpp * block >= 2**31)
 
 
 def quantize_blockwise(
@@ -159,12 +225,12 @@ def quantize_blockwise(
     if padded == 0:
         return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
     seed_t = seed.reshape(()).to(device=x.device, dtype=torch.int64) if stochastic else scales
-    width, bpp, grid = _launch_shape(block, padded, elems_per_program)
-    _quantize_kernel[(grid,)](
+    shape = _launch_shape(block, n, padded, elems_per_program)
+    _quantize_kernel[(shape.pop("grid"),)](
         xf, rf if rf is not None else xf, seed_t, q, scales, new_residual if new_residual is not None else xf,
         n, padded // block,
-        BLOCK=block, WIDTH=width, BPP=bpp, QMAX=reference.QMAX[bits], INT4=bits == 4,
-        HAS_RES=residual is not None, STOCH=stochastic, WIDE=grid * bpp * block >= 2**31,
+        BLOCK=block, QMAX=reference.QMAX[bits], INT4=bits == 4, HAS_RES=residual is not None, STOCH=stochastic,
+        MAGIC=1.5 * 2**23 + (8.0 if bits == 4 else 0.0), **shape,
         num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
     )
     return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
@@ -193,10 +259,10 @@ def dequantize_blockwise(
     padded = scales.numel() * block
     if numel == 0:
         return out
-    width, bpp, grid = _launch_shape(block, padded, elems_per_program)
-    _dequantize_kernel[(grid,)](
+    shape = _launch_shape(block, numel, padded, elems_per_program)
+    _dequantize_kernel[(shape.pop("grid"),)](
         q, scales, out, numel, scales.numel(),
-        BLOCK=block, WIDTH=width, BPP=bpp, INT4=bits == 4, WIDE=grid * bpp * block >= 2**31,
-        BF16=dtype == torch.bfloat16, num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+        BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
+        num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
     )
     return out
