@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SIZES = {"gpu": [64 * 2**20, 256 * 2**20, 2**30], "small": [64 * 2**10, 256 * 2**10]}
+SIZES = {"gpu": [64 * 2**20, 256 * 2**20, 2**30], "small": [16 * 2**10, 64 * 2**10]}
 # (elements per program, warps): the sweep. The first entry is overwritten by the kernels' defaults.
 SWEEP = [(1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8)]
 
@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--sizes", default=None,
-                        help="'gpu' (64 MiB, 256 MiB, 1 GiB), 'small' (64 KiB, 256 KiB) or MiB values: 64,256")
+                        help="'gpu' (64 MiB, 256 MiB, 1 GiB), 'small' (16 KiB, 64 KiB) or MiB values: 64,256")
     parser.add_argument("--block", type=int, default=256, help="elements per scale")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (median); 20 on GPU")
     parser.add_argument("--calls", type=int, default=None, help="back-to-back calls per repetition; 10 on GPU")
@@ -55,12 +55,12 @@ def parse_args() -> argparse.Namespace:
         args.sizes = "gpu" if args.device == "cuda" else "small"
     args.size_bytes = SIZES.get(args.sizes) or [int(float(s) * 2**20) for s in args.sizes.split(",")]
     cpu = args.device == "cpu"
-    args.repeats = args.repeats or (3 if cpu else 20)
+    args.repeats = args.repeats or (2 if cpu else 20)
     args.calls = args.calls or (1 if cpu else 10)
     if cpu:
         # Triton has no CPU backend: its interpreter runs the kernels. Must be set before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.no_compile = True  # Inductor's C++ compile of nine kernels takes minutes on a small CPU
+        args.no_compile = True  # Inductor's C++ compile of ten kernels takes minutes on a small CPU
     return args
 
 
@@ -240,7 +240,7 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("triton is not importable: nothing to benchmark")
     from pt3func.kernels import triton_quant as tq
 
-    timer = Timer(device, args.repeats, args.calls)
+    timer = Timer(device, args.repeats, args.calls, warmup=1 if device == "cpu" else 3)
     sweep = [(tq.DEFAULT_ELEMS_PER_PROGRAM, tq.DEFAULT_NUM_WARPS)]
     if not args.no_sweep:  # on CPU one more config, to exercise the sweep: interpreter timings mean nothing
         sweep += [c for c in (SWEEP if device == "cuda" else SWEEP[:1]) if c != sweep[0]]
