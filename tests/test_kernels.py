@@ -26,6 +26,10 @@ def _case_input(n: int, dtype: torch.dtype, special: str = "") -> torch.Tensor:
     x[: min(n, 40)] = 0.0  # the first block is all zero (scale 0) in every case with blocks <= 40
     if special == "tiny":
         x[40:80] = 1e-38  # qmax / absmax overflows fp32: the FLT_MAX clamp keeps q finite
+    if special == "overshoot":
+        # y * RN(qmax / y) rounds to qmax + 1 ulp for this y (int8 and int4), and seed 93 gives element 335 the
+        # largest dither, 1/2 - 2**-17: the sum is exactly 127.5 for int8 (a clamp must catch it), < 7.5 for int4.
+        return torch.full((n,), 4.976205348968506).to(dtype)
     if special == "non-finite":
         x[50], x[130], x[131] = float("nan"), float("inf"), -float("inf")
     if special.startswith("ties"):  # absmax qmax: scale 1, so the half-integers are exact ties
@@ -50,6 +54,7 @@ INTERPRETER_CASES = {
         "stochastic-ef-bf16": dict(n=555, block=50, dtype="bfloat16", residual=True, stochastic=True, seed=-7),
         "block-1-int8-or-2-int4": dict(n=37, block=1 if bits == 8 else 2, elems_per_program=16),
         "stochastic-odd-block-int8": dict(n=500, block=37 if bits == 8 else 38, stochastic=True, seed=99),
+        "overshoot-stochastic": dict(n=512, block=64, special="overshoot", stochastic=True, seed=93),
         "even-tiles-ef": dict(n=2048, block=64, residual=True, elems_per_program=512),  # unmasked kernels
         "even-tiles-stochastic-ef": dict(n=2048, block=64, residual=True, stochastic=True, seed=5,
                                          elems_per_program=256),

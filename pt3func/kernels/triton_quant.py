@@ -110,9 +110,12 @@ def _quantize_kernel(
     inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
     t = y * inv[:, None]
     t = tl.where(t == t, t, 0.0)
-    # Rounding to nearest needs no clamp (|t| <= qmax (1 + 2**-23) rounds into range); adding the dither does.
+    # No clamp is needed (the reference's is a no-op here): |t| <= qmax + ulp(qmax) since inv <= (qmax / absmax)
+    # (1 + 2**-24), which rounds to at most qmax, and for int4 stays below 7.5 after adding the dither
+    # (|w| <= 1/2 - 2**-17). Only int8's dither can reach 127 + 2**-17 + 1/2 - 2**-17, a tie that rounds to 128.
     if STOCH:
-        t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
+        if not INT4:
+            t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
         seed_h = _lowbias32(tl.load(seed_ptr).to(tl.uint32))
         if BLOCK % 2 == 0:
             pair = rows[:, None] * (BLOCK // 2) + tl.arange(0, WIDTH // 2)[None, :]
