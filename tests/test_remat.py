@@ -428,6 +428,11 @@ def test_offload_moves_named_values_to_host_and_back_on_cuda():
     assert all(u.meta["custom"]["pt3func"].startswith("backward of") for u in reload.users)
     # the rest of the region is recomputed as usual
     assert any(str(n.meta.get("custom", {}).get("pt3func", "")).startswith("remat of") for n in nodes)
+    # the Inductor fence leaves the host copy alone (a CUDA condition cannot select a host tensor)
+    fenced = fence_recomputation(gm)
+    assert reload.args[0] is host
+    assert all(n.args[2].meta["val"].device.type == "cuda"
+               for n in fenced.graph.nodes if n.target is aten.where.ScalarSelf)
 
 
 def test_offload_is_a_no_op_on_cpu():

@@ -496,6 +496,8 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
         for inp in list(node.all_input_nodes):
             if _is_copy(inp) or inp.op == "get_attr" or not isinstance(inp.meta.get("val"), torch.Tensor):
                 continue
+            if inp.meta["val"].device != token.meta["val"].device:
+                continue  # an offloaded value's host copy: the reload is an opaque call, not fused anyway
             if inp not in fences:
                 with graph.inserting_before(node):
                     if never is None:
