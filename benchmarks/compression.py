@@ -536,11 +536,11 @@ def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dic
             name, f"{ex_wire:.3f}" if not math.isnan(ex_wire) else nan, f"{wire:.3f}" if not math.isnan(wire) else nan,
             f"{f['grad_err']:.2%}" if "grad_err" in f else nan,
             f"{f['grad_err_sum']:.2%}" if "grad_err_sum" in f else nan,
-            f.get("val_loss", nan),
+            f"{f['val_loss']:.4f}" if "val_loss" in f else nan,
             f"{rel:+.2%}" if not math.isnan(rel) else nan,
             f"{bound:.0%}" if bound is not None else "",
             ok,
-            sf.get("step_ms", nan),
+            f"{sf['step_ms']:.0f}" if "step_ms" in sf else nan,
             f"{speed:.2f}x" if not math.isnan(speed) else nan,
             nan,
         ])
