@@ -364,7 +364,7 @@ def test_fence_makes_recomputation_wait_for_the_backward():
     gm = fence_recomputation(rematerialize(_graph(CP.nothing_saveable)))
     nodes = list(gm.graph.nodes)
     where = [n for n in nodes if n.target is aten.where.ScalarSelf]
-    assert len(where) == 2  # x and w, each read once through the fence
+    assert len(where) == 1  # one input of the first copy; the others follow it through data dependencies
     never = where[0].args[0]
     assert never.target is aten.logical_and.default
     token = never.args[0].args[0]
@@ -372,7 +372,7 @@ def test_fence_makes_recomputation_wait_for_the_backward():
         token = token.args[0]
     assert token.target is aten.ones_like.default  # the backward value computed just before the copies
     mm_copy = next(n for n in nodes if n.target is aten.mm.default and n is not nodes[2])
-    assert set(mm_copy.args) == set(where)
+    assert where[0] in mm_copy.args
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     torch.testing.assert_close(gm(x, w), rematerialize(_graph(CP.nothing_saveable))(x, w), rtol=0, atol=0)
 

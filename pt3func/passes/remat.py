@@ -465,7 +465,7 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
 
     Inductor fuses a consumer into its producer kernel whatever the distance between them: a recomputed
     `layer_norm(x)` would be computed with the forward's `x` kernel and kept until the backward, undoing
-    remat. Each value a group of copies reads from the forward goes through `where(never, 0, value)`,
+    remat. A copy reading only forward values reads one of them through `where(never, 0, value)`,
     with `never` derived from a backward value computed just before the group (`isnan(t) & isinf(t)` of one
     element of it: always False, which no compiler folds): the copies now depend on the backward, so they
     cannot run earlier, and the select fuses into their first kernel (no copy) for pointwise/reduction
@@ -493,18 +493,28 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
             token, never, fences = groups[node], None, {}
         if not _is_copy(node) or token is None:
             continue
-        for inp in list(node.all_input_nodes):
-            if _is_copy(inp) or inp.op == "get_attr" or not isinstance(inp.meta.get("val"), torch.Tensor):
-                continue
-            if inp.meta["val"].device != token.meta["val"].device:
-                continue  # an offloaded value's host copy: the reload is an opaque call, not fused anyway
-            if inp not in fences:
-                with graph.inserting_before(node):
-                    if never is None:
-                        never = _never(graph, token, node)
-                    fences[inp] = _select(graph, never, inp, node)
-                fenced = True
-            node.replace_input_with(inp, fences[inp])
+        if any(_is_copy(inp) for inp in node.all_input_nodes):
+            continue  # already after the fence through that input
+        device = token.meta["val"].device
+        # An offloaded value's host copy is not fenced: the reload is an opaque call, not fused anyway.
+        reads = [
+            inp
+            for inp in node.all_input_nodes
+            if inp.op != "get_attr" and isinstance(inp.meta.get("val"), torch.Tensor)
+            and inp.meta["val"].device == device
+        ]
+        if not reads:
+            continue
+        # One fenced input orders the copy after the backward; prefer an activation to a parameter (a fenced
+        # value read by a matmul is materialised), and the smallest.
+        inp = min(reads, key=lambda r: (r.op == "placeholder", r.meta["val"].numel()))
+        if inp not in fences:
+            with graph.inserting_before(node):
+                if never is None:
+                    never = _never(graph, token, node)
+                fences[inp] = _select(graph, never, inp, node)
+            fenced = True
+        node.replace_input_with(inp, fences[inp])
     if fenced:
         graph.lint()
         gm.recompile()
