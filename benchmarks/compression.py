@@ -1,8 +1,9 @@
 """Compressed gradient exchange: bytes on the wire, gradient error, convergence and step time, in one table.
 
-    sudo .venv/bin/python benchmarks/compression.py            # CPU: all parts (~25 min on 2 cores)
-    .venv/bin/python benchmarks/compression.py --parts wire,error,converge   # without the slow link (no root)
-    .venv/bin/python benchmarks/compression.py --parts slowlink --slowlink-ranks 4
+    sudo .venv/bin/python benchmarks/compression.py            # CPU: all parts (~40 min on 2 cores)
+    .venv/bin/python benchmarks/compression.py --parts wire,error,converge --tag gpt   # no root needed (~35 min)
+    sudo .venv/bin/python benchmarks/compression.py --parts slowlink --reuse benchmarks/results/compression_gpt.json
+    sudo .venv/bin/python benchmarks/compression.py --parts slowlink --rate 100mbit --tag cpu_100mbit
     .venv/bin/python benchmarks/compression.py --smoke         # a few steps of everything, tiny models
     python benchmarks/compression.py --gpu                     # 2 GPUs: the anchor step, fp32/bf16/int8+EF exchange
 
