@@ -578,7 +578,7 @@ def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
     bf16 = runs["bf16"]["step_ms"]
     int8 = runs["int8"]["step_ms"]
     cost = int8 / bf16 - 1
-    columns = ["exchange", "step ms", "tokens/s", "comm MiB", "vs bf16", "note"]
+    columns = ["exchange", "step ms", "tokens/s", "payload MiB", "vs bf16", "note"]
     rows = []
     for name, r in runs.items():
         comm = sum(r.get("comm_bytes", {}).values()) / 2**20
