@@ -578,12 +578,12 @@ def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
     bf16 = runs["bf16"]["step_ms"]
     int8 = runs["int8"]["step_ms"]
     cost = int8 / bf16 - 1
-    columns = ["exchange", "step ms", "tokens/s", "payload MiB", "vs bf16", "note"]
+    columns = ["exchange", "step ms", "tokens/s", "payload MiB", "vs bf16", "format"]
     rows = []
     for name, r in runs.items():
         comm = sum(r.get("comm_bytes", {}).values()) / 2**20
         rows.append([name, r["step_ms"], r["tokens_per_s"], comm, f"{r['step_ms'] / bf16 - 1:+.1%}",
-                     r.get("grad_exchange_note", "")])
+                     r.get("grad_exchange", "")])
     verdict = (f"int8+EF costs {cost:+.1%} against the bf16 exchange: "
                + ("within the 3% rule" if cost <= 0.03 else "over the 3% rule: compression should be switched off"))
     env = runs["fp32"].get("env", {})
