@@ -218,6 +218,23 @@ def test_save_only_these_names_keeps_exactly_the_named():
     assert {name for n in both for name in n.meta["custom"][NAME_KEY]} == {"qkv", "mlp_in"}
 
 
+def test_named_output_keeps_its_siblings():
+    """Naming attention's output keeps its logsumexp too: the attention kernel is not run again."""
+
+    def attn(x, w):
+        b, s, _ = x.shape
+        q, k, v = (x @ w).view(b, s, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        return pf.checkpoint_name(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attn").sum()
+
+    def step(x, w):
+        return pf.value_and_grad(lambda w: pf.checkpoint(attn, CP.save_only_these_names("attn"))(x, w))(w)
+
+    x, w = torch.randn(2, 8, D), torch.randn(D, 3 * D)
+    remat = [line for line in pf.jit(step, backend="eager").lower(x, w).as_text().splitlines() if "REMAT" in line]
+    assert any("aten.mm" in line for line in remat)  # the projection is recomputed
+    assert not any("attention" in line for line in remat)
+
+
 def test_everything_saveable_changes_nothing():
     assert _lower(CP.everything_saveable).as_text().count("REMAT") == 0
     assert [r["bytes"] for r in _lower(CP.everything_saveable).saved_activations()] == [

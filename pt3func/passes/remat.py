@@ -283,6 +283,11 @@ def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
         if node.target is operator.getitem and not names_of(node):
             parent = _producer(node)
             choice = policy.decide(parent) if policy_of(parent) == policy else SAVE
+            # An op whose named output is kept keeps its other outputs too (attention's logsumexp beside
+            # its output): recomputing them would run the op again.
+            siblings = [u for u in parent.users if u is not node and u.target is operator.getitem and names_of(u)]
+            if any(policy.decide(u) != RECOMPUTE for u in siblings):
+                choice = SAVE
         else:
             choice = policy.decide(node)
         if choice == RECOMPUTE and not can(node):
