@@ -75,12 +75,17 @@ def _chunk(n: int, world: int, align: int) -> tuple[int, int]:
 
 def _rows(flat: torch.Tensor, world: int, m: int, c: int) -> torch.Tensor:
     """`flat` as `world` contiguous chunks of `m`, each zero-padded to `c`: chunk i is rank i's shard."""
-    flat = F.pad(flat, (0, world * m - flat.numel())).view(world, m)
-    return F.pad(flat, (0, c - m))
+    if world * m != flat.numel():
+        flat = F.pad(flat, (0, world * m - flat.numel()))
+    rows = flat.view(world, m)
+    return rows if c == m else F.pad(rows, (0, c - m))
 
 
 def _unrows(rows: torch.Tensor, m: int, n: int) -> torch.Tensor:
-    return rows[:, :m].reshape(-1)[:n]
+    if rows.shape[1] != m:
+        rows = rows[:, :m]
+    flat = rows.reshape(-1)
+    return flat if flat.numel() == n else flat[:n]
 
 
 def _seed(step: torch.Tensor | None, r: Reduction, phase: int) -> torch.Tensor | None:
@@ -360,7 +365,10 @@ class TopK(Format):
             got_vals = self.codec.decode(got_vals, cols)
         got_idx = got[:, vb:].contiguous().view(index_dtype)
         dense = torch.zeros(n, dtype=torch.float32, device=x.device)
-        dense = dense.index_add(0, got_idx.reshape(-1).to(torch.int64), got_vals[:, :k].reshape(-1))
+        # One rank at a time: within a rank the indices are distinct, so no two atomic adds race and every rank
+        # sums in the same order (replicas of a data-parallel parameter stay bit-identical on GPUs too).
+        for i in range(r.world):
+            dense = dense.index_add(0, got_idx[i].to(torch.int64), got_vals[i, :k])
         if r.op == "avg":
             dense = dense / r.world
         if r.kind == "reduce_scatter":
