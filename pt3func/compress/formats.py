@@ -225,8 +225,8 @@ class Cast(Codec):
         return q, None if residual is None else y - q.to(torch.float32)
 
     def decode(self, payload, cols):
-        # Not a bare dtype cast: a pass that hoists casts above all-gathers (gather_cast) must not widen
-        # the payload back to fp32 before it is sent.
+        # Not a bare dtype cast, so a pass that moves casts above all-gathers (to gather fewer bytes) cannot
+        # widen this payload back to fp32 before it is sent.
         return payload.to(torch.float32, memory_format=torch.contiguous_format)
 
 
