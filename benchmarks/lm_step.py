@@ -305,8 +305,9 @@ def main() -> None:
         precompile_s = round(time.perf_counter() - start, 2)
     oom_record = dict(impl="pt3func-jit", oom=True, batch=B, policy=a.policy, memory_budget=a.memory_budget)
     if a.max_memory_gib and on_cuda:
+        index = torch.cuda.current_device()  # `device` may be plain "cuda", which this call refuses
         torch.cuda.set_per_process_memory_fraction(
-            min(a.max_memory_gib * 2**30 / torch.cuda.get_device_properties(device).total_memory, 1.0), device
+            min(a.max_memory_gib * 2**30 / torch.cuda.get_device_properties(index).total_memory, 1.0), index
         )
     elif a.max_memory_gib and compiled.memory_analysis()["peak_bytes"] > a.max_memory_gib * 2**30:
         print(json.dumps(dict(oom_record, emulated=True)), flush=True)  # CPU smoke runs: the estimate decides

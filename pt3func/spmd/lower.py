@@ -17,7 +17,6 @@ Every collective carries the reason that produced it in `node.meta["custom"]["pt
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,11 @@ from pt3func import analysis
 from pt3func._compat import dtensor_from_local
 from pt3func.trace.source import node_location
 
-_CONTEXT: contextvars.ContextVar[LoweringContext | None] = contextvars.ContextVar("pt3func_lowering", default=None)
+# A process global, not a ContextVar: on CUDA the autograd engine runs the backward, and so the gradient hooks
+# that emit (and name) the reductions, on a device thread of its own, which sees none of the tracing thread's
+# context variables (their reductions then lost their "grad of ..." tags, and grad_exchange found nothing to
+# rewrite). Traces hold capture.TRACE_LOCK, so at most one lowering is active at a time.
+_ACTIVE: LoweringContext | None = None
 
 
 @dataclass(frozen=True)
@@ -72,20 +75,21 @@ class LoweringContext:
 @contextlib.contextmanager
 def lowering() -> Iterator[LoweringContext]:
     """Active while a jitted step is traced; also keeps node meta (reasons) on the recorded nodes."""
-    ctx = LoweringContext()
-    token = _CONTEXT.set(ctx)
+    global _ACTIVE
+    ctx, previous = LoweringContext(), _ACTIVE
+    _ACTIVE = ctx
     try:
         with fx_traceback.preserve_node_meta():
             yield ctx
     finally:
-        _CONTEXT.reset(token)
+        _ACTIVE = previous
 
 
 def current() -> LoweringContext | None:
-    # Under torch.compile (Dynamo) there is no pt3func lowering, and Dynamo cannot trace ContextVar.get.
+    # Under torch.compile (Dynamo) there is no pt3func lowering.
     if torch.compiler.is_compiling():
         return None
-    return _CONTEXT.get()
+    return _ACTIVE
 
 
 # `node.meta["custom"][GRAD_OF]` names the leaf a gradient reduction is for (the grad_exchange pass reads it).
