@@ -104,7 +104,7 @@ def rewrite(
         if label in done:  # a second reduction of the same leaf (e.g. over another axis) stays exact
             continue
         done.add(label)
-        arg, path = _split_label(label)
+        _, path = _split_label(label)
         x = collective.args[0]
         shape = tuple(x.meta["val"].shape)
         leaf_fmt = fmt.resolve(path, shape)
@@ -124,6 +124,7 @@ def rewrite(
         state_in, state_out = binding.leaves.get(path, (LeafState(), None)) if binding else (LeafState(), None)
         names = list(needed)
         inputs = [x]
+        stored: dict[str, tuple[int, ...]] = {}  # each state tensor's local shape, kept for its new value
         for field_name in names:
             pos = getattr(state_in, field_name)
             if pos is None:
@@ -142,15 +143,17 @@ def rewrite(
                     f"split the data as init(params, data_axes=...) (now {binding.data_axes})."
                 )
             inputs.append(node)
+            stored[field_name] = tuple(node.meta["val"].shape)
         with_step = leaf_fmt.needs_step
         if with_step:
             inputs.append(placeholders[binding.step_in])
 
-        def compressed(x_val, *rest, _fmt=leaf_fmt, _r=r, _names=names, _shapes=needed, _with_step=with_step):
+        def compressed(x_val, *rest, _fmt=leaf_fmt, _r=r, _names=names, _shapes=needed, _stored=stored,
+                       _with_step=with_step):
             state = {n: t.view(_shapes[n]) for n, t in zip(_names, rest)}
             step = rest[-1] if _with_step else None
             out, new = _fmt.reduce(x_val, state, step, _r)
-            return [out, *(new[n].reshape(1, *_shapes[n]) for n in _names)]
+            return [out, *(new[n].reshape(_stored[n]) for n in _names)]
 
         why = f"grad of {label} ({leaf_fmt.describe()})"
         results = _inline(gm, collective, compressed, inputs, {"pt3func": why, GRAD_OF: label, COMPRESSED: True})
