@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 SIZES = {"gpu": [64 * 2**20, 256 * 2**20, 2**30], "small": [16 * 2**10, 64 * 2**10]}
-# (elements per program, warps): the sweep. The first entry is overwritten by the kernels' defaults.
-SWEEP = [(1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8)]
+# (elements per program, warps): the sweep, besides each kernel's default (triton_quant.default_config).
+SWEEP = [(1024, 2), (1024, 4), (2048, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4), (8192, 4)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -203,7 +203,10 @@ def measure(name: str, x: torch.Tensor, r: torch.Tensor, seed: torch.Tensor, blo
     """GB/s of kernel `name` for each launch config and for torch.compile of the reference. A failure (a config
     that does not compile, say) is recorded, not raised, so that one GPU run reports everything."""
     nbytes = bytes_moved(name, x.numel(), block)
-    rec: dict[str, Any] = {"kernel": name, "bytes_moved": nbytes, "default_config": list(sweep[0]),
+    bits, ef, sr = KERNELS[name]
+    default = tq.default_config(bits, residual=bool(ef), stochastic=bool(sr), dequantise=ef is None)
+    sweep = [default] + [c for c in sweep if c != default]
+    rec: dict[str, Any] = {"kernel": name, "bytes_moved": nbytes, "default_config": list(default),
                            "triton_default_gbps": float("nan"), "triton_best_gbps": float("nan"),
                            "best_config": None, "sweep_gbps": {}, "compile_gbps": float("nan"),
                            "target": target(name), "bit_exact": False}
@@ -241,9 +244,8 @@ def main(args: argparse.Namespace) -> None:
     from pt3func.kernels import triton_quant as tq
 
     timer = Timer(device, args.repeats, args.calls, warmup=1 if device == "cpu" else 3)
-    sweep = [(tq.DEFAULT_ELEMS_PER_PROGRAM, tq.DEFAULT_NUM_WARPS)]
-    if not args.no_sweep:  # on CPU one more config, to exercise the sweep: interpreter timings mean nothing
-        sweep += [c for c in (SWEEP if device == "cuda" else SWEEP[:1]) if c != sweep[0]]
+    # On CPU one config besides the defaults, to exercise the sweep: interpreter timings mean nothing.
+    sweep = [] if args.no_sweep else SWEEP if device == "cuda" else SWEEP[:1]
     exact_cpu = {name: check_cpu_reference(name, device, block, tq) for name in KERNELS} if device == "cuda" else {}
     rows, records, copy_gbps = [], [], {}
     for size in args.size_bytes:
@@ -277,14 +279,15 @@ def main(args: argparse.Namespace) -> None:
         f"Blockwise quantisation kernels, {device}, block {block}, fp32 input (GB/s = bytes read + written / time)",
         ["size", "kernel", "triton GB/s", "best GB/s @ (elems/program, warps)", "torch.compile GB/s",
          "x copy", "target", "met", "bit-exact"], rows)
-    # The one configuration that does best on the worst kernel: what the defaults in triton_quant.py should be.
-    if len(sweep) > 1:
+    # The one configuration that does best on the worst kernel, against the per-kernel defaults.
+    if sweep:
         worst = {cfg: min(rec["sweep_gbps"].get(f"{cfg[0]}x{cfg[1]}", 0.0) / rec["copy_gbps"] / rec["target"]
                           for rec in records) for cfg in sweep}
         pick = max(worst, key=worst.get)
+        defaults = min(rec["triton_default_gbps"] / rec["copy_gbps"] / rec["target"] for rec in records)
         print(f"best single config (max over configs of min over kernels of ratio / target): "
               f"elems_per_program={pick[0]}, num_warps={pick[1]} -> worst ratio/target {worst[pick]:.3f} "
-              f"(defaults {sweep[0]}: {worst[sweep[0]]:.3f})")
+              f"(per-kernel defaults: {defaults:.3f})")
     else:
         pick, worst = None, {}
     out = Path(args.out or RESULTS / f"quant_kernels_{device}.json")

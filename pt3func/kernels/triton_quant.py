@@ -33,10 +33,28 @@ _GOLDEN = tl.constexpr(reference.GOLDEN)
 _FLT_MAX = tl.constexpr(reference.FLT_MAX)
 _DITHER_SHIFT = tl.constexpr(1.5 - 2.0**-17)  # (1 + b * 2**-16) - this = (b + 1/2) * 2**-16 - 1/2, exactly
 
-# Elements per program and warps when the caller does not pick: the best single configuration of
-# benchmarks/quant_kernels.py's sweep on an H200 (results/quant_kernels_h200.json).
-DEFAULT_ELEMS_PER_PROGRAM = 2048
-DEFAULT_NUM_WARPS = 4
+# (elements per program, warps) when the caller does not pick, per kernel: the best of benchmarks/quant_kernels.py's
+# sweep over 64 MiB - 1 GiB on an H200 (results/quant_kernels_h200_run2.json). Kernels that write little per
+# element (int4, no residual) want more elements per thread.
+_CONFIGS = {
+    "quantise+ef": (1024, 2),
+    "int8 quantise": (1024, 4),
+    "int8 stochastic": (8192, 4),
+    "int4 quantise": (2048, 2),
+    "int4 stochastic": (2048, 2),
+    "int8 dequantise": (1024, 4),
+    "int4 dequantise": (1024, 4),
+}
+
+
+def default_config(bits: int, *, residual: bool = False, stochastic: bool = False,
+                   dequantise: bool = False) -> tuple[int, int]:
+    """The (elements per program, num_warps) a call uses unless it passes its own."""
+    if dequantise:
+        return _CONFIGS[f"int{bits} dequantise"]
+    if residual:
+        return _CONFIGS["quantise+ef"]
+    return _CONFIGS[f"int{bits} {'stochastic' if stochastic else 'quantise'}"]
 
 
 @triton.jit
@@ -196,7 +214,7 @@ def _launch_shape(block: int, numel: int, padded: int, elems_per_program: int | 
     """WIDTH (at least 2, so int4's pairs exist even for tiny blocks), blocks per program, programs, and whether
     the tiles cover the elements exactly (no masks needed)."""
     width = max(2, triton.next_power_of_2(block))
-    bpp = triton.next_power_of_2(max(1, (elems_per_program or DEFAULT_ELEMS_PER_PROGRAM) // width))
+    bpp = triton.next_power_of_2(max(1, elems_per_program // width))
     grid = triton.cdiv(padded // block, bpp)
     return dict(WIDTH=width, BPP=bpp, grid=grid, EVEN=width == block and numel % (bpp * block) == 0,
                 WIDE=grid * bpp * block >= 2**31)
@@ -228,13 +246,14 @@ def quantize_blockwise(
     if padded == 0:
         return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
     seed_t = seed.reshape(()).to(device=x.device, dtype=torch.int64) if stochastic else scales
-    shape = _launch_shape(block, n, padded, elems_per_program)
+    epp, warps = default_config(bits, residual=residual is not None, stochastic=stochastic)
+    shape = _launch_shape(block, n, padded, elems_per_program or epp)
     _quantize_kernel[(shape.pop("grid"),)](
         xf, rf if rf is not None else xf, seed_t, q, scales, new_residual if new_residual is not None else xf,
         n, padded // block,
         BLOCK=block, QMAX=reference.QMAX[bits], INT4=bits == 4, HAS_RES=residual is not None, STOCH=stochastic,
         MAGIC=1.5 * 2**23 + (8.0 if bits == 4 else 0.0), **shape,
-        num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+        num_warps=num_warps or warps, enable_fp_fusion=False,
     )
     return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
 
@@ -262,10 +281,11 @@ def dequantize_blockwise(
     padded = scales.numel() * block
     if numel == 0:
         return out
-    shape = _launch_shape(block, numel, padded, elems_per_program)
+    epp, warps = default_config(bits, dequantise=True)
+    shape = _launch_shape(block, numel, padded, elems_per_program or epp)
     _dequantize_kernel[(shape.pop("grid"),)](
         q, scales, out, numel, scales.numel(),
         BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
-        num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+        num_warps=num_warps or warps, enable_fp_fusion=False,
     )
     return out
