@@ -16,7 +16,7 @@ from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
-from pt3func.passes.overlap import sink_waits
+from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
 from pt3func.runtime.backend import BACKENDS
@@ -276,10 +276,14 @@ class Jitted:
         donated_graph = [graph_in[i] for i in donated_leaves]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
         gm = apply_donation(gm, plan_g)
+        optimisations = []
         if self.backend == "inductor":
             # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
-            # after its last use in the graph, which may be while a sunk collective still reads it.
-            gm = sink_waits(gm)
+            # after its last use in the graph, which may be while a collective still in flight reads it.
+            optimisations += [issue_collectives_early, sink_waits, order_by_readiness]
+        for optimisation in optimisations:
+            if optimisation.__name__ not in config.disabled_passes:
+                gm = optimisation(gm)
         plan = type(plan_g)(
             aliases={tensor_out[j]: graph_input_leaves[i] for j, i in plan_g.aliases.items()},
             unused={graph_input_leaves[i]: why for i, why in plan_g.unused.items()},
