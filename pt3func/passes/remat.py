@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from pt3func.trace.capture import mutated_args
+
 REGION_KEY = "pt3func_remat"  # "3" or "1/3" (nested): the checkpoint region a forward node was recorded in
 POLICY_KEY = "pt3func_remat_policy"  # Policy.as_meta() of that (innermost) region
 NAME_KEY = "pt3func_names"  # names given by pf.checkpoint_name to the value this node produces
@@ -138,20 +140,6 @@ def _producer(node: fx.Node) -> fx.Node:
     return node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
 
 
-def _writes(node: fx.Node) -> list[fx.Node]:
-    """Node arguments the op writes in place."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, fx.Node):
-                out.append(value)
-    return out
-
-
 def _aliases_input(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
@@ -165,7 +153,7 @@ def alias_root(node: fx.Node) -> fx.Node:
 
 
 def is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and _aliases_input(node) and not _writes(node)
+    return node.op == "call_function" and _aliases_input(node) and not mutated_args(node)
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -196,7 +184,7 @@ class Recomputability:
         self.last_write: dict[fx.Node, int] = {}
         for n in nodes:
             if n.op == "call_function":
-                for target in _writes(n):
+                for target in mutated_args(n):
                     root = alias_root(target)
                     self.last_write[root] = max(self.last_write.get(root, -1), self.order[n])
         self.allow_collectives = allow_collectives
@@ -221,7 +209,7 @@ class Recomputability:
             return isinstance(node.args[0], fx.Node) and self(node.args[0])
         if not isinstance(node.target, torch._ops.OpOverload):
             return False
-        if is_random(node) or _writes(node):
+        if is_random(node) or mutated_args(node):
             return False
         if is_collective(node) and not self.collectives_allowed(node):
             return False
@@ -342,7 +330,7 @@ def _gathered_inputs(graph: fx.Graph) -> set[fx.Node]:
         if n.op in ("placeholder", "get_attr"):
             inputs.add(n)
             continue
-        if n.op != "call_function" or region_of(n) or is_backward(n) or is_random(n) or _writes(n):
+        if n.op != "call_function" or region_of(n) or is_backward(n) or is_random(n) or mutated_args(n):
             continue
         ins = n.all_input_nodes
         if not ins or not all(i in inputs or i in out for i in ins):

@@ -175,7 +175,8 @@ def _is_view(target: object) -> bool:
     return alias is not None and not alias.is_write
 
 
-def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Node arguments the op writes in place (from its schema's alias annotations)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
@@ -204,7 +205,7 @@ def check_no_input_mutation(gm: torch.fx.GraphModule, input_names: Sequence[str]
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for target in _mutated_args(node):
+        for target in mutated_args(node):
             root = storage_root(target)
             if root.op == "placeholder":
                 what = f"input {names.get(root, root.name)}"
