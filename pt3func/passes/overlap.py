@@ -39,9 +39,11 @@ def issue_collectives_early(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if not is_collective(node):
             continue
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        last = max(node.all_input_nodes, key=order.__getitem__, default=None)
-        if last is not None and last.next is not node:
+        inputs = set(node.all_input_nodes)
+        last = node.prev
+        while inputs and last not in inputs:  # walk up to the nearest input: the last one computed
+            last = last.prev
+        if inputs and last.next is not node:
             last.append(node)
             moved = True
     if moved:

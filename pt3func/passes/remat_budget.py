@@ -26,6 +26,7 @@ import operator
 import torch
 from torch import fx
 
+from pt3func.analysis import nbytes
 from pt3func.passes.remat import (
     Recomputability,
     RematPlan,
@@ -38,14 +39,6 @@ from pt3func.passes.remat import (
 
 # Bytes moved cost about this many FLOPs (an H100/H200 does ~1e15 bf16 FLOP/s against ~4e12 B/s).
 _FLOPS_PER_BYTE = 250.0
-
-
-def _nbytes(val: object) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sum(_nbytes(v) for v in val)
-    return 0
 
 
 def _free(node: fx.Node) -> bool:
@@ -73,13 +66,13 @@ def recompute_cost(node: fx.Node) -> float:
             flops = float(formula(*shapes[0], **shapes[1], out_shape=out_shape))
         except Exception:  # a formula that wants more than shapes: fall back to the bytes estimate
             flops = 0.0
-    return max(flops, _FLOPS_PER_BYTE * _nbytes(node.meta.get("val")))
+    return max(flops, _FLOPS_PER_BYTE * nbytes(node.meta.get("val")))
 
 
 def saved_bytes(graph: fx.Graph) -> int:
     """Bytes of the forward values the backward reads, each storage counted once, graph inputs not counted."""
     owners = {alias_root(n) for n in needed_by_backward(graph)}
-    return sum(_nbytes(n.meta.get("val")) for n in owners if not _free(n))
+    return sum(nbytes(n.meta.get("val")) for n in owners if not _free(n))
 
 
 def plan_budget(gm: fx.GraphModule, budget: float) -> RematPlan:
@@ -94,7 +87,7 @@ def plan_budget(gm: fx.GraphModule, budget: float) -> RematPlan:
     owners = sorted({alias_root(n) for n in roots if not _free(alias_root(n))}, key=_position(graph))
     fixed = [o for o in owners if not can(o) or _multi_output(o)]
     candidates = [o for o in owners if o not in fixed]
-    fixed_bytes = sum(_nbytes(o.meta.get("val")) for o in fixed)
+    fixed_bytes = sum(nbytes(o.meta.get("val")) for o in fixed)
     target = budget * total
     best: tuple[int, set[fx.Node]] | None = None
     # First with long recompute chains banned (better peak); if that cannot meet the budget, without.
@@ -105,7 +98,7 @@ def plan_budget(gm: fx.GraphModule, budget: float) -> RematPlan:
             long = _long_chains(graph, forward, can, set(keep)) if ban_long else set()
             dropped = set(candidates) - set(keep) - long
             recompute, cut_bytes = _min_cut(forward, roots, can, set(keep), dropped, long)
-            kept_bytes = cut_bytes + sum(_nbytes(k.meta.get("val")) for k in keep)
+            kept_bytes = cut_bytes + sum(nbytes(k.meta.get("val")) for k in keep)
             if best is None or kept_bytes < best[0]:
                 best = (kept_bytes, recompute)
             if kept_bytes <= target:
@@ -146,7 +139,7 @@ def _knapsack(candidates: list[fx.Node], room: float) -> list[fx.Node]:
 
     if not candidates:
         return []
-    sizes = [float(_nbytes(c.meta.get("val"))) for c in candidates]
+    sizes = [float(nbytes(c.meta.get("val"))) for c in candidates]
     scale = sum(sizes)
     memory = [s / scale for s in sizes]
     runtime = [recompute_cost(c) for c in candidates]
@@ -198,7 +191,7 @@ def _min_cut(
     order = {n: i for i, n in enumerate(next(iter(forward)).graph.nodes)} if forward else {}
     span = max(len(order), 1)
     for n in forward:
-        size = _nbytes(n.meta.get("val"))
+        size = nbytes(n.meta.get("val"))
         if _free(n) or n in kept:
             capacity = 0.0
         elif not can(n) or n in banned:
@@ -220,4 +213,4 @@ def _min_cut(
     recompute = {n for n in forward if ("in", n) not in reachable and can(n) and n not in banned}
     kept_now = {n for n in forward if ("in", n) in reachable and ("out", n) not in reachable}
     extra = {alias_root(n) for n in kept_now} - kept
-    return recompute, sum(_nbytes(n.meta.get("val")) for n in extra if not _free(n))
+    return recompute, sum(nbytes(n.meta.get("val")) for n in extra if not _free(n))
