@@ -106,6 +106,13 @@ def parse_args() -> argparse.Namespace:
         help="torch.set_num_threads (CPU smoke runs: 1 on a shared machine, where OpenMP's spinning threads "
         "make a tiny step 100x slower)",
     )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="TRACE.json",
+        help="after timing, profile 3 steps: print kernel time by kind and exposed NCCL time (rank 0), add "
+        "them to the record, write the chrome trace here",
+    )
     p.add_argument("--out", default=None, help="JSONL file to append the record to (default: results/lm_step_*)")
     # Memory (benchmarks/memory.py runs this script with these).
     p.add_argument("--cuda-graphs", action="store_true", help="pf.jit(cuda_graphs=True): replay one CUDA graph")
@@ -331,6 +338,18 @@ def main() -> None:
         if lock is not None:
             lock.close()
     peak = torch.cuda.max_memory_allocated() if on_cuda else None
+    profile = None
+    if a.profile and on_cuda:
+        from gpu_profile import format_summary, profile_steps
+
+        def step_once() -> None:
+            nonlocal params, opt_state, loss
+            params, opt_state, loss = step(params, opt_state, idx, tgt)
+            sync()
+
+        profile = profile_steps(step_once, 3, a.profile.replace(".json", f".rank{rank}.json"))
+        if rank == 0:
+            print(format_summary(profile), flush=True)
     reserved = torch.cuda.max_memory_reserved() if on_cuda else None
     loss = float(pf.device_get(loss))
 
@@ -374,6 +393,7 @@ def main() -> None:
         policy=a.policy,
         memory_budget=a.memory_budget,
         comm_bytes=cost["comm_bytes"],
+        profile=profile,
         grad_exchange=a.grad_exchange if exchange is None else f"{a.grad_exchange} ({exchange.describe()})",
         config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),
         env=environment(),
