@@ -94,6 +94,9 @@ class _FakeGraph:
     def __init__(self):
         self.calls = []
 
+    def reset(self):
+        self.calls = []
+
     def replay(self):
         for fn, args, outs in self.calls:
             for out, new in zip(outs, fn(*args)):
@@ -228,3 +231,30 @@ def test_uncapturable_op_names_the_program():
     step(x)  # the warm-up call runs as usual
     with pytest.raises(pf.TracingError, match=r"f: cuda_graphs=True: the compiled program cannot be captured"):
         step(x)
+
+
+def test_release_destroys_graphs_before_the_process_group_goes(monkeypatch):
+    """A graph holding NCCL collectives must die before its communicator (else exit hangs): the release hook."""
+    import torch.distributed as dist
+
+    from pt3func.runtime import cudagraphs
+
+    class FakeGraph:
+        resets = 0
+
+        def reset(self):
+            FakeGraph.resets += 1
+
+    destroyed = []
+    monkeypatch.setattr(cudagraphs, "_HOOKS_INSTALLED", False)
+    monkeypatch.setattr(cudagraphs.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(dist.distributed_c10d, "destroy_process_group", lambda *a: destroyed.append(FakeGraph.resets))
+    monkeypatch.setattr(dist, "destroy_process_group", dist.distributed_c10d.destroy_process_group)
+    runner = cudagraphs.CUDAGraphRunner(lambda *xs: list(xs), "step", torch.device("cpu"), [], {})
+    runner._graph = FakeGraph()
+    cudagraphs._LIVE.add(runner)
+    cudagraphs._install_release_hooks()
+    dist.destroy_process_group()
+    assert destroyed == [1], "the graph was not reset before destroy_process_group ran"
+    assert not runner.captured and runner._warmups_left == 0  # the next call captures again, no warm-up
+    assert cudagraphs.release_cuda_graphs() == 0

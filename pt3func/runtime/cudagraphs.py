@@ -18,10 +18,19 @@ Buffers, and why they keep the donation contract:
   graph's pool and the next replay overwrites them, so they are cloned before being returned: the caller
   owns what it gets, as without graphs. With params and state donated that is a few scalars; without
   donation it is a copy of every output each call, so donate them when using CUDA graphs.
+
+Teardown with NCCL: a graph that captured NCCL collectives holds a reference on the communicator, and NCCL's
+`ncclCommDestroy` waits until every such graph is destroyed (pytorch/pytorch#115388). Left to the interpreter's
+teardown, or with `torch.distributed.destroy_process_group()` called while a step still holds its graph, the
+process hangs at exit. So every captured graph is released (`release_cuda_graphs`) by an exit hook and before
+`destroy_process_group` runs; a step called after that captures again.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -100,6 +109,48 @@ def _backend_of(node: fx.Node) -> str:
             except (RuntimeError, ValueError):
                 return type(group).__name__
     return "unknown"
+
+
+_LIVE: weakref.WeakSet[CUDAGraphRunner] = weakref.WeakSet()
+_HOOKS_INSTALLED = False
+
+
+def release_cuda_graphs() -> int:
+    """Destroy every captured graph of every jitted step (they capture again on their next call).
+
+    Needed before NCCL communicators are destroyed (see the module's docstring); runs by itself at exit and
+    before `torch.distributed.destroy_process_group`. Returns how many graphs were released.
+    """
+    runners = [r for r in list(_LIVE) if r.captured]
+    if runners and torch.cuda.is_available():
+        torch.cuda.synchronize()  # a replay still running must finish before its graph goes
+    for runner in runners:
+        runner.release()
+    return len(runners)
+
+
+def _install_release_hooks() -> None:
+    """Release graphs at exit and before `destroy_process_group` (installed at the first capture)."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    # Registered after torch's own exit handlers, so it runs before them (atexit is last in, first out).
+    atexit.register(release_cuda_graphs)
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        release_cuda_graphs()
+        return original(*args, **kwargs)
+
+    # Both names users reach it by; a reference taken before the first capture is not covered (the exit
+    # hook still is).
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
 
 
 class CUDAGraphRunner:
@@ -190,3 +241,11 @@ class CUDAGraphRunner:
                 "capturable; run this step with cuda_graphs=False."
             ) from cause
         self._graph, self._static_in, self._static_out = graph, static, outs
+        _LIVE.add(self)
+        _install_release_hooks()
+
+    def release(self) -> None:
+        """Destroy the graph and its buffers; the next call captures again (no warm-up: it was done)."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph, self._static_in, self._static_out = None, [], []
