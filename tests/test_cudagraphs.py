@@ -251,7 +251,7 @@ def test_release_destroys_graphs_before_the_process_group_goes(monkeypatch):
     monkeypatch.setattr(dist.distributed_c10d, "destroy_process_group", lambda *a: destroyed.append(FakeGraph.resets))
     monkeypatch.setattr(dist, "destroy_process_group", dist.distributed_c10d.destroy_process_group)
     runner = cudagraphs.CUDAGraphRunner(lambda *xs: list(xs), "step", torch.device("cpu"), [], {})
-    runner._graph = FakeGraph()
+    runner._graph, runner._warmups_left = FakeGraph(), 0  # as after a warm-up call and a capture
     cudagraphs._LIVE.add(runner)
     cudagraphs._install_release_hooks()
     dist.destroy_process_group()
