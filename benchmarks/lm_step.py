@@ -97,7 +97,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--bucket",
         action="store_true",
-        help="Inductor's collective bucketing and overlap scheduler (options that exist in this torch version)",
+        help="Inductor's collective bucketing passes (the options that exist in this torch version)",
+    )
+    p.add_argument(
+        "--overlap-scheduler",
+        action="store_true",
+        help="Inductor's newer compute/communication overlap scheduler (crashed on this program in torch 2.11)",
     )
     p.add_argument(
         "--threads",
@@ -273,13 +278,10 @@ def main() -> None:
         torch._inductor.config.reorder_for_compute_comm_overlap = True
     if a.bucket:
         _set_inductor_options(
-            {
-                "bucket_all_gathers_fx": "all",
-                "bucket_reduce_scatters_fx": "all",
-                "bucket_all_reduces_fx": "all",
-                "aten_distributed_optimizations.enable_overlap_scheduling": True,
-            }
+            {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "bucket_all_reduces_fx": "all"}
         )
+    if a.overlap_scheduler:
+        _set_inductor_options({"aten_distributed_optimizations.enable_overlap_scheduling": True})
     params = init_params(a, device)
     assert sum(t.numel() for t in pf.tree.leaves(params)) == n_params, "params differ from the anchor's model"
     exchange = GRAD_EXCHANGES[a.grad_exchange]() if GRAD_EXCHANGES[a.grad_exchange] else None
@@ -389,6 +391,7 @@ def main() -> None:
         precision=a.precision,
         overlap=a.overlap,
         bucket=a.bucket,
+        overlap_scheduler=a.overlap_scheduler,
         cuda_graphs=a.cuda_graphs,
         policy=a.policy,
         memory_budget=a.memory_budget,
