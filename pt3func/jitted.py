@@ -16,6 +16,7 @@ from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
+from pt3func.passes.bucketing import bucket_gradient_all_reduces
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
@@ -280,7 +281,7 @@ class Jitted:
         if self.backend == "inductor":
             # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
             # after its last use in the graph, which may be while a collective still in flight reads it.
-            optimisations += [issue_collectives_early, sink_waits, order_by_readiness]
+            optimisations += [bucket_gradient_all_reduces, issue_collectives_early, sink_waits, order_by_readiness]
         for optimisation in optimisations:
             if optimisation.__name__ not in config.disabled_passes:
                 gm = optimisation(gm)

@@ -143,3 +143,10 @@ def test_zero1_donation_reuses_every_buffer(four_rank_results):
     # Params replicated, optimizer state sharded: each donated leaf still finds its own output.
     report = four_rank_results[0]["zero1"]["donation_report"]
     assert all(row["aliased"] for row in report), report
+
+
+def test_data_parallel_gradients_are_bucketed(two_rank_inductor_results):
+    # One all-reduce for the three small gradients (passes/bucketing.py), one for the loss.
+    lines = [line for line in two_rank_inductor_results[0]["dp2"]["text"].splitlines() if "all_reduce(" in line]
+    assert len(lines) == 2
+    assert "grad of 3 leaves (bucket)" in lines[0]
