@@ -23,5 +23,11 @@ class Config:
     buys or to rule one out; also read from the PT3FUNC_DISABLE_PASSES environment variable (comma-separated).
     Passes that make the program correct (donation, sharding, remat asked for by the user) cannot be skipped."""
 
+    exchange_guard: str = field(default_factory=lambda: os.environ.get("PT3FUNC_EXCHANGE_GUARD", "auto"))
+    """Either "auto": `pf.jit(exchange_guard=...)` decides whether a compressed gradient exchange is timed against
+    bf16 and switched off where it costs more than it saves (pt3func/compress/guard.py), or "off": never, every
+    grad_exchange format runs as given (tests and benchmarks of the formats themselves). Read from the
+    PT3FUNC_EXCHANGE_GUARD environment variable too; applies to programs lowered after it is set."""
+
 
 config = Config()

@@ -12,11 +12,12 @@ from torch.distributed.tensor import DTensor
 
 from pt3func import tree
 from pt3func.compress.formats import Format
+from pt3func.compress.guard import ExchangeSwitch, check_exchange_guard, copy_program, guard_for
 from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
-from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
+from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
@@ -56,6 +57,7 @@ class Jitted:
         donate_argnums: int | Sequence[int] = (),
         donate_argnames: str | Sequence[str] = (),
         grad_exchange: Any = None,
+        exchange_guard: Any = "auto",
         memory_budget: float | None = None,
         backend: str = "inductor",
         cuda_graphs: bool = False,
@@ -69,12 +71,14 @@ class Jitted:
             raise TypeError(
                 f"pf.jit: grad_exchange must be a pf.compress format (pf.compress.int8(), ...), got {grad_exchange!r}"
             )
+        check_exchange_guard(exchange_guard)
         self.fn = fn
         self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
         self._spec = ArgSpec.build(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.grad_exchange = grad_exchange
+        self.exchange_guard = exchange_guard
         self.memory_budget = memory_budget
         self.backend = backend
         self.cuda_graphs = bool(cuda_graphs)
@@ -132,6 +136,16 @@ class Jitted:
             lowered._compiled = self._cache.get(key)
         return lowered
 
+    def exchange_decision(self) -> Any:
+        """The exchange guard's decision (`pf.compress.ExchangeDecision`) for the signature compiled last that has
+        one; None before the guard's trial calls end, or without a guard. For one signature:
+        `step.lower(*args).compile().exchange_decision()`."""
+        for compiled in reversed(list(self._cache.values())):
+            decision = compiled.exchange_decision()
+            if decision is not None:
+                return decision
+        return None
+
     def trace_count(self) -> int:
         """How many distinct signatures have been traced (the number of cache misses so far)."""
         return len(self._seen)
@@ -152,7 +166,11 @@ class Jitted:
             reasons.append(f"static arguments changed: {static}")
         log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
 
-    def _lower_from(self, leaves: list[Any], treedef: Any, static: tuple, key: Any) -> Lowered:
+    def _lower_from(
+        self, leaves: list[Any], treedef: Any, static: tuple, key: Any, _reference: tuple | None = None
+    ) -> Lowered:
+        """Trace and lower one signature. `_reference = (traced graph, its out_info, format)`: lower that copy of
+        the signature's trace with the exchange guard's reference format instead of `grad_exchange`."""
         spec = self._spec
         labels = leaf_labels(spec, treedef, static)
         for label, leaf in zip(labels, leaves):
@@ -162,7 +180,7 @@ class Jitted:
                     "pass the value that call returned"
                 )
         descriptions = [describe_leaf(leaf) for leaf in leaves]
-        if config.explain_cache_misses:
+        if config.explain_cache_misses and _reference is None:
             self._explain_miss(labels, descriptions, treedef, static)
         owner = leaf_argument(spec, treedef, static)
         donated_leaves = [
@@ -238,11 +256,22 @@ class Jitted:
 
         # The lock covers lowering() too: its preserve_node_meta flag is process-global, and a virtual mesh's rank
         # threads leaving it mid-trace of another rank would drop that rank's node meta (reasons, remat regions).
-        with capture.TRACE_LOCK, lower.lowering():
-            gm = capture.trace(flat_fn, example_inputs, self.name)
+        if _reference is None:
+            with capture.TRACE_LOCK, lower.lowering():
+                gm = capture.trace(flat_fn, example_inputs, self.name)
+        else:
+            gm = _reference[0]
+            out_info.update(_reference[1])
         graph_labels = [labels[i] for i in graph_input_leaves]
         capture.check_no_input_mutation(gm, graph_labels, self.name)
-        if self.grad_exchange is not None:
+        guard = None if _reference is not None else guard_for(self.exchange_guard, self.grad_exchange)
+        if guard is not None and not grad_exchange.gradient_reductions(gm):
+            guard = None  # nothing to compress: both programs would be the same
+        untouched = copy_program(gm) if guard is not None else None
+        if _reference is not None:
+            # No state binding: the reference format keeps none, so the ExchangeState goes out as it came in.
+            gm = grad_exchange.rewrite(gm, _reference[2], None, name=self.name)
+        elif self.grad_exchange is not None:
             gm = _rewrite_grad_exchange(self.name, gm, self.grad_exchange, treedef, out_info, graph_input_leaves)
         elif grad_exchange.has_state(treedef):
             log.warning("%s: the step takes an ExchangeState but pf.jit(grad_exchange=...) is not set: gradients "
@@ -313,8 +342,19 @@ class Jitted:
             dtensor_out=dtensor_out,
             notes={**lower.collective_notes(gm), **remat_notes(gm)},
         )
+        lowered = Lowered(program, example_inputs)
+        if _reference is not None:
+            lowered._example_inputs = None  # compiled on the guard's second call: do not keep the first batch alive
+            return lowered
         self._seen.append((treedef, labels, descriptions))
-        return Lowered(program, example_inputs)
+        if guard is not None:
+            reference = self._lower_from(leaves, treedef, static, key, (untouched, out_info, guard.reference))
+            mesh = next((meta.device_mesh for meta in dtensor_in.values()), None)
+            lowered._make_switch = functools.partial(
+                ExchangeSwitch, guard, self.name, self.grad_exchange,
+                reference=lambda: reference.compile().run_leaves, device=device, mesh=mesh,
+            )
+        return lowered
 
 
 def _rewrite_grad_exchange(
@@ -418,6 +458,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     donate_argnames: str | Sequence[str] = (),
     grad_exchange: Any = None,
+    exchange_guard: Any = "auto",
     memory_budget: float | None = None,
     backend: str = "inductor",
     cuda_graphs: bool = False,
@@ -431,6 +472,10 @@ def jit(
     the new values into them in place, and the donated tensors become unreadable.
     `cuda_graphs=True` (CUDA inputs on one device) captures each compiled program in a CUDA graph after one
     warm-up call and replays it (see `pt3func.runtime.cudagraphs`; donate params and state with it).
+    `grad_exchange=fmt` compresses every gradient reduction (`pf.compress`). `exchange_guard` ("auto": a
+    `pf.compress.Guard()` for every format but bf16, fp16 and none; a `Guard`; or None) times the compressed
+    program against a bf16-exchange one on the first calls and switches compression off, with a logged reason,
+    where it costs more than 3% (see `pt3func.compress.guard`; `exchange_decision()` says what it decided).
     """
     options = dict(
         in_shardings=in_shardings,
@@ -440,6 +485,7 @@ def jit(
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
         grad_exchange=grad_exchange,
+        exchange_guard=exchange_guard,
         memory_budget=memory_budget,
         backend=backend,
         cuda_graphs=cuda_graphs,

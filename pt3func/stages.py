@@ -61,6 +61,9 @@ class Lowered:
         self._program = program
         self._example_inputs = list(example_inputs)
         self._compiled: Compiled | None = None  # set once compiled (here or by the Jitted's cache)
+        # Set by pf.jit where an exchange guard applies (pt3func/compress/guard.py): given this program's
+        # run(leaves), the switch that times it against the reference program and runs the one it keeps.
+        self._make_switch: Callable[[Callable[[list[Any]], Any]], Callable[[list[Any]], Any]] | None = None
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -136,6 +139,9 @@ class Lowered:
         self._example_inputs = None
         programs = [src for src in sources if "def call(" in src]
         self._compiled = Compiled(self, runner, programs[-1] if len(programs) == 1 else None)
+        if self._make_switch is not None:
+            self._compiled._switch = self._make_switch(self._compiled._run_leaves)
+            self._make_switch = None  # the switch alone holds the reference program: freed if compression is kept
         return self._compiled
 
 
@@ -158,6 +164,12 @@ class Compiled:
         self._input_kinds = [p.input_leaf_kind[i] for i in p.graph_input_leaves]
         self._where = f"jitted '{p.name}'"
         self._warned = False
+        self._switch: Any = None  # an exchange guard's ExchangeSwitch (pt3func/compress/guard.py), or None
+
+    def exchange_decision(self) -> Any:
+        """The exchange guard's `ExchangeDecision` (compression kept or switched off, the step times, the reason);
+        None without a guard or while its trial calls are still running."""
+        return None if self._switch is None else self._switch.decision
 
     def as_text(self) -> str:
         return self.lowered.as_text()
@@ -210,6 +222,11 @@ class Compiled:
         return self.run_leaves(leaves)
 
     def run_leaves(self, leaves: list[Any]) -> Any:
+        if self._switch is not None:
+            return self._switch(leaves)
+        return self._run_leaves(leaves)
+
+    def _run_leaves(self, leaves: list[Any]) -> Any:
         p = self._program
         if self._check_overlap:
             _check_donation_overlap(p, leaves)

@@ -7,7 +7,9 @@
 Every gradient all-reduce (data parallel) and reduce-scatter (FSDP) of the traced program is rewritten into
 the format's compressed reduction (pt3func/passes/grad_exchange.py); `Lowered.as_text()` shows the new
 collectives and `cost_analysis()["comm_bytes"]` their volume. Error-feedback residuals live in an explicit
-`ExchangeState` that the step takes and returns.
+`ExchangeState` that the step takes and returns. A `Guard` (on by default for all but bf16, fp16 and none) times the
+compressed step against a bf16-exchange one on the first calls and switches compression off where it costs more
+than 3% (pt3func/compress/guard.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pt3func.compress.formats import (
     skip_small,
     topk,
 )
+from pt3func.compress.guard import ExchangeDecision, Guard
 from pt3func.compress.state import ExchangeState, LeafState
 from pt3func.optim.base import GradientTransformation
 
@@ -53,8 +56,10 @@ def with_state(
 
 
 __all__ = [
+    "ExchangeDecision",
     "ExchangeState",
     "Format",
+    "Guard",
     "LeafState",
     "adaptive_alpha",
     "bf16",
