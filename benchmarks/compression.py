@@ -83,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     add("--formats", default=",".join(FORMATS), help="comma-separated subset of the rows")
+    add("--define", default=None,
+        help="extra rows, 'name=pf.compress call;name2=...' (e.g. 'topk 5%%=topk(0.05)'), bound 3%%, for experiments")
     add("--smoke", action="store_true", help="a few steps of every part on tiny models (for a test)")
     add("--tag", default=None, help="results/compression_<tag>.json (default: cpu, smoke or gpu)")
     add("--out", default=None, help="write the JSON here instead")
@@ -120,6 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--worker", choices=("gpt", "slowlink"), default=None, help=argparse.SUPPRESS)
     add("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    for item in filter(None, (a.define or "").split(";")):
+        name, _, text = item.partition("=")
+        FORMATS[name.strip()] = (text.strip(), 0.03)
     if a.smoke:
         a.ranks, a.steps, a.batch, a.seq, a.d_model, a.layers, a.heads = 2, 4, 8, 16, 32, 1, 2
         a.warmup, a.eval_batches, a.error_after, a.max_bytes = 1, 2, 2, 100_000
@@ -146,6 +151,22 @@ def init_exchange_state(exchange: Any, params: Any) -> Any:
     if exchange is None or not hasattr(exchange, "init"):
         return None
     return exchange.init(params)
+
+
+def no_guard() -> dict[str, Any]:
+    """`pf.jit` arguments that turn the exchange guard off where pf.jit has one: the error and convergence parts
+    measure the format itself (the guard times the compressed step against bf16 on the first calls and may
+    switch compression off for the rest of the run, which on these CPU ranks it does for top-k and int8)."""
+    import inspect
+
+    import pt3func as pf
+
+    return {"exchange_guard": None} if "exchange_guard" in inspect.signature(pf.jit).parameters else {}
+
+
+def phase_starts(exchange: Any) -> tuple[int, ...]:
+    """The steps where `exchange`'s program changes (its dense warm-up ends, ...); () for one program."""
+    return tuple(exchange.schedule()) if exchange is not None and hasattr(exchange, "schedule") else ()
 
 
 def make_step(train_step: Callable[..., Any], exchange: Any, **jit_kwargs: Any) -> Any:
@@ -341,19 +362,35 @@ def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
             for name in names:
                 exchange, ex_state = bookkeeping(name)
                 step = make_step(train_step, exchange, **shardings, **jit)
-                lowered = step.lower(params, opt_state, ex_state, batch)
-                wire = wire_bytes(lowered, a.ranks)
+                # A format with phases (dense warm-up, sparsity ramp) runs one program per phase: the columns
+                # are its last phase's (what it sends once warmed up), `*_run` the average over the run's steps.
+                starts = (0, *phase_starts(exchange))
+                phases = []
+                for start in starts:
+                    state = ex_state if start == 0 else ex_state.with_step(start)
+                    phases.append(wire_bytes(step.lower(params, opt_state, state, batch), a.ranks))
+                lowered = step.lower(params, opt_state, ex_state if len(starts) == 1 else
+                                     ex_state.with_step(starts[-1]), batch)
+                wire = phases[-1]
                 if name == "fp32":
                     # Collectives that are not gradient reductions (e.g. DTensor's embedding backward gathers
                     # the batch's output gradient) are not rewritten: the same bytes in every program.
                     other = wire["other"]
+                ends = (*starts[1:], a.steps)
+                run = sum(w["total"] * max(0, min(e, a.steps) - min(b, a.steps))
+                          for w, b, e in zip(phases, starts, ends)) / a.steps
                 f = out["formats"][name]
                 f["comm_bytes"] = dict(lowered.cost_analysis()["comm_bytes"])
                 f["wire_bytes"] = wire["total"]
                 f["exchange_wire_bytes"] = wire["total"] - other
                 f["non_gradient_wire_bytes"] = other
+                f["wire_bytes_run"] = run
+                f["exchange_wire_bytes_run"] = run - other
+                f["phases"] = [dict(start=b, wire_bytes=w["total"]) for w, b in zip(phases, starts)]
                 say(f"wire {name}: {wire['total']:,.0f} bytes sent per rank per step, gradient exchange "
-                    f"{wire['total'] - other:,.0f}", flush=True)
+                    f"{wire['total'] - other:,.0f}" + (f"; {run - other:,.0f} on average over {a.steps} steps "
+                                                       f"(phases from steps {starts})" if len(starts) > 1 else ""),
+                    flush=True)
 
         # Gradient error: params after a few fp32 steps, then one (and 20) exchanges of each format.
         if "error" in parts:
@@ -373,7 +410,9 @@ def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
             exact = [flat(exact_fn(params, None, b)[0]) for b in batches]
             for name in names:
                 exchange, ex_state = bookkeeping(name)
-                fn = make_step(grad_fn, exchange, in_shardings=(specs, None, P("dp")), **jit)
+                if phase_starts(exchange):  # the compressor's error, not its dense warm-up's
+                    ex_state = ex_state.with_step(phase_starts(exchange)[-1])
+                fn = make_step(grad_fn, exchange, in_shardings=(specs, None, P("dp")), **jit, **no_guard())
                 got = []
                 for b in batches:
                     grads, ex_state = fn(params, ex_state, b)
@@ -390,7 +429,7 @@ def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
                 params, specs, _ = fresh()
                 exchange, ex_state = bookkeeping(name)
                 opt_state = pf.jit(opt.init, **jit)(params)
-                step = make_step(train_step, exchange, donate_argnums=(0, 1), **shardings, **jit)
+                step = make_step(train_step, exchange, donate_argnums=(0, 1), **shardings, **jit, **no_guard())
                 eval_step = pf.jit(lambda p, b: gpt.loss_fn(p, b, config), in_shardings=(specs, P("dp")), **jit)
                 train = chardata.batches(s["dataset"].train, a.batch, a.seq, seed=0)
                 losses, start = [], time.perf_counter()
@@ -530,11 +569,14 @@ def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dic
         wire = f["wire_bytes"] / ref["wire_bytes"] if "wire_bytes" in f and ref.get("wire_bytes") else nan
         ex_wire = (f["exchange_wire_bytes"] / ref["exchange_wire_bytes"]
                    if "exchange_wire_bytes" in f and ref.get("exchange_wire_bytes") else nan)
+        ex_run = (f["exchange_wire_bytes_run"] / ref["exchange_wire_bytes"]
+                  if "exchange_wire_bytes_run" in f and ref.get("exchange_wire_bytes") else nan)
         rel = f["val_loss"] / ref["val_loss"] - 1 if "val_loss" in f and "val_loss" in ref else nan
         ok = "" if bound is None or math.isnan(rel) else ("yes" if rel <= bound else "NO")
         speed = slow_ref["step_ms"] / sf["step_ms"] if "step_ms" in sf and "step_ms" in slow_ref else nan
         rows.append([
-            name, f"{ex_wire:.3f}" if not math.isnan(ex_wire) else nan, f"{wire:.3f}" if not math.isnan(wire) else nan,
+            name, (f"{ex_wire:.3f}" + (f" (run {ex_run:.3f})" if len(f.get("phases", ())) > 1 else ""))
+            if not math.isnan(ex_wire) else nan, f"{wire:.3f}" if not math.isnan(wire) else nan,
             f"{f['grad_err']:.2%}" if "grad_err" in f else nan,
             f"{f['grad_err_sum']:.2%}" if "grad_err_sum" in f else nan,
             f"{f['val_loss']:.4f}" if "val_loss" in f else nan,
@@ -546,6 +588,7 @@ def build_table(a: argparse.Namespace, gpt_res: dict[str, Any] | None, slow: dic
             nan,
         ])
         records.append(dict(format=name, exchange=FORMATS[name][0], exchange_wire_vs_fp32=ex_wire,
+                            exchange_wire_run_vs_fp32=ex_run,
                             step_wire_vs_fp32=wire, val_loss_vs_fp32=rel, bound=bound, within_bound=ok or None,
                             slowlink_speedup=speed, **f,
                             **{f"slowlink_{k}": v for k, v in sf.items()}))

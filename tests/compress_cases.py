@@ -274,3 +274,83 @@ def adaptive_topk(rank: int, world: int, total_steps: int) -> dict:
             out["max_err"].append(err)
             out["dropped"].append(dropped)
     return out
+
+
+def _jit_kwargs() -> dict:
+    """These cases check what a format sends: no exchange guard (it would time steps and may switch it off)."""
+    import inspect
+
+    return {"exchange_guard": None} if "exchange_guard" in inspect.signature(pf.jit).parameters else {}
+
+
+def _local_grads(params: dict, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> list[torch.Tensor]:
+    """This rank's share of the gradient of the global mean loss (what its reduction sums)."""
+    rows = slice(rank * (x.shape[0] // world), (rank + 1) * (x.shape[0] // world))
+    local = {k: v.clone().requires_grad_() for k, v in params.items()}
+    h = torch.tanh(x[rows] @ local["w1"] + local["b1"])
+    loss = ((h @ local["w2"] - y[rows]) ** 2).sum() / y.numel()
+    return list(torch.autograd.grad(loss, [local[k] for k in NAMES]))
+
+
+def scheduled(rank: int, world: int, formats: dict[str, str], steps: int) -> dict:
+    """Per format and step: the comm bytes of the program that step runs, its max error against the exact
+    reduced gradient, and the ExchangeState's phase; the number of programs traced."""
+    mesh, specs, batch_spec, data_axes = _setup("dp2")
+    out = {}
+    with pf.set_mesh(mesh):
+        params = pf.device_put(init_params(), specs)
+        shardings = (specs, None, batch_spec, batch_spec)
+        exact_step = pf.jit(grad_step, in_shardings=shardings, backend="eager")
+        for name, text in formats.items():
+            fmt = eval(text, vars(C))  # noqa: S307 - test constants
+            ex = fmt.init(params, data_axes=data_axes)
+            step = pf.jit(grad_step, in_shardings=shardings, grad_exchange=fmt, backend="eager", **_jit_kwargs())
+            rec = {"comm_bytes": [], "err": [], "phase": [], "residual": []}
+            for t in range(steps):
+                x, y = batch(t)
+                rec["comm_bytes"].append(dict(step.lower(params, ex, x, y).cost_analysis()["comm_bytes"]))
+                exact = _full(exact_step(params, None, x, y)[0])
+                grads, ex = step(params, ex, x, y)
+                got = _full(grads)
+                rec["err"].append(max(float((got[k] - exact[k]).abs().max()) for k in NAMES))
+                rec["phase"].append(ex.current_phase())
+                rec["residual"].append(float(_full(ex.leaves["w1"].residual).abs().sum()))
+            rec["programs"] = len(step._cache)
+            rec["step"] = int(pf.device_get(ex.step))
+            out[name] = rec
+    return out
+
+
+def momentum_correction(rank: int, world: int, ratio: float, momentum: float, steps: int) -> dict:
+    """top-k with DGC's momentum correction against a host simulation of it: each rank accumulates
+    u = m u + g into its residual v, sends top-k of v, and clears both at the sent entries."""
+    mesh, specs, batch_spec, _ = _setup("dp2")
+    fmt = C.topk(ratio, momentum=momentum)
+    plain = init_params()
+    u = [torch.zeros(plain[k].numel()) for k in NAMES]
+    v = [torch.zeros(plain[k].numel()) for k in NAMES]
+    errs, sent_norms = [], []
+    with pf.set_mesh(mesh):
+        params = pf.device_put(plain, specs)
+        ex = fmt.init(params)
+        step = pf.jit(grad_step, in_shardings=(specs, None, batch_spec, batch_spec), grad_exchange=fmt,
+                      backend="eager", **_jit_kwargs())
+        for t in range(steps):
+            x, y = batch(t)
+            grads, ex = step(params, ex, x, y)
+            got = _full(grads)
+            err = 0.0
+            for i, (k, g) in enumerate(zip(NAMES, _local_grads(plain, x, y, rank, world))):
+                u[i] = momentum * u[i] + g.reshape(-1)
+                v[i] = v[i] + u[i]
+                idx = torch.topk(v[i].abs(), max(1, math.ceil(ratio * v[i].numel()))).indices
+                sent = torch.zeros_like(v[i])
+                sent[idx] = v[i][idx]
+                v[i][idx] = 0
+                u[i][idx] = 0
+                parts = [torch.zeros_like(sent) for _ in range(world)]
+                torch.distributed.all_gather(parts, sent)
+                err = max(err, float((got[k].reshape(-1) - sum(parts)).abs().max()))
+                sent_norms.append(float(sum(parts).norm()))
+            errs.append(err)
+    return {"errs": errs, "sent_norms": sent_norms}

@@ -112,6 +112,20 @@ class Format:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def schedule(self) -> tuple[int, ...]:
+        """The steps at which this format's program changes (e.g. where a dense warm-up ends), ascending.
+
+        A traced program is static, so a format that sends something else from step N on (uncompressed
+        warm-up, a sparsity ramp) is a sequence of programs: `jit` compiles one per phase, chosen on the host
+        from the `ExchangeState`'s step counter (see `pt3func.compress.state`). Empty: one program.
+        """
+        return ()
+
+    def at(self, step: int) -> Format | None:
+        """The leaf format in effect from `step` (0 or a value of `schedule()`) until the next change;
+        None: the reduction stays uncompressed in that phase."""
+        return self
+
     def state_shapes(self, shape: tuple[int, ...], kind: str, world: int) -> dict[str, tuple[int, ...]]:
         """The per-rank state tensors this leaf needs (names of `LeafState` fields -> local shapes)."""
         return {}
@@ -298,12 +312,22 @@ class TopK(Format):
     total_steps: int | None = None
     alpha: tuple[float, float] = (0.1, 0.01)
     codec: Codec | None = None
+    dense_steps: int = 0
+    warmup_steps: int = 0
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"topk: ratio must be in (0, 1], got {self.ratio}")
         if self.adaptive and (self.total_steps is None or self.total_steps <= 0):
             raise ValueError("topk(adaptive=True) decays its threshold over a schedule: pass total_steps=N (> 0)")
+        if self.dense_steps < 0 or self.warmup_steps < 0:
+            raise ValueError(f"topk: dense_steps and warmup_steps must be >= 0, got {self.dense_steps}, "
+                             f"{self.warmup_steps}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"topk: momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and not self.error_feedback:
+            raise ValueError("topk: momentum correction accumulates velocities in the residual: needs error_feedback")
 
     @property
     def needs_step(self) -> bool:  # type: ignore[override]
@@ -311,23 +335,56 @@ class TopK(Format):
 
     @property
     def needs_state(self) -> bool:
-        return self.error_feedback or self.needs_step
+        return self.error_feedback or self.needs_step or bool(self.schedule())
 
     def describe(self) -> str:
         parts = [f"top-k {self.ratio:g}"]
+        if self.dense_steps:
+            parts.append(f"dense for {self.dense_steps} steps")
+        if self.warmup_steps:
+            parts.append(f"sparsity warm-up {'->'.join(f'{r:g}' for r in self.ramp())} over {self.warmup_steps}")
         if self.adaptive:
             parts.append(f"adaptive threshold alpha {self.alpha[0]:g}->{self.alpha[1]:g} over {self.total_steps}")
         if self.codec is not None:
             parts.append(f"values {self.codec.describe()}")
+        if self.momentum:
+            parts.append(f"momentum correction {self.momentum:g}")
         if self.error_feedback:
             parts.append("EF")
         return ", ".join(parts)
+
+    def ramp(self) -> tuple[float, ...]:
+        """DGC's sparsity warm-up (Lin et al. 2018, section 3.3): the kept ratio starts at 25% and shrinks 4x per
+        stage (75%, 93.75%, 98.4%, ... sparsity) while it is above `ratio`; then `ratio` itself."""
+        ratios, r = [], 0.25
+        while r > self.ratio and self.warmup_steps:
+            ratios.append(r)
+            r /= 4
+        return (*ratios, self.ratio)
+
+    def schedule(self) -> tuple[int, ...]:
+        ramp = self.ramp()
+        stages = len(ramp) - 1
+        marks = [self.dense_steps] if self.dense_steps else []
+        marks += [self.dense_steps + (j * self.warmup_steps) // stages for j in range(1, stages + 1)]
+        return tuple(sorted(set(m for m in marks if m > 0)))
+
+    def at(self, step: int) -> Format | None:
+        if step < self.dense_steps:
+            return None
+        ramp = self.ramp()
+        since = step - self.dense_steps
+        stage = len(ramp) - 1 if since >= self.warmup_steps else since * (len(ramp) - 1) // self.warmup_steps
+        return replace(self, ratio=ramp[stage], dense_steps=0, warmup_steps=0)
 
     def k(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.ratio * n)))
 
     def state_shapes(self, shape, kind, world):
-        return {"residual": tuple(shape)} if self.error_feedback else {}
+        out = {"residual": tuple(shape)} if self.error_feedback else {}
+        if self.momentum:
+            out["velocity"] = tuple(shape)
+        return out
 
     def threshold(self, v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """tau = alpha(step) * ||v||_2 / sqrt(d), alpha linear from alpha[0] to alpha[1] over total_steps."""
@@ -336,7 +393,12 @@ class TopK(Format):
     def reduce(self, x, state, step, r):
         n = x.numel()
         v = x.reshape(-1).to(torch.float32)
-        residual = state.get("residual")
+        residual, velocity = state.get("residual"), state.get("velocity")
+        if velocity is not None:
+            # DGC's momentum correction: accumulate the velocity u = m u + g, not the gradient, so what is sent
+            # late is what momentum SGD would have applied meanwhile.
+            v = self.momentum * velocity.reshape(-1) + v
+            u = v
         if residual is not None:
             v = v + residual.reshape(-1)
         k = self.k(n)
@@ -355,6 +417,10 @@ class TopK(Format):
         new = {}
         if residual is not None:
             new["residual"] = v.scatter(0, idx, v.gather(0, idx) - sent).view(residual.shape)
+        if velocity is not None:
+            # Momentum factor masking (DGC): a sent entry's momentum is dropped with it, else it keeps pushing an
+            # already applied direction from a stale value.
+            new["velocity"] = u.scatter(0, idx, torch.where(vals == 0, u.gather(0, idx), 0.0)).view(velocity.shape)
         index_dtype = torch.int32 if n < 2**31 else torch.int64
         value_bytes = payload.view(torch.uint8)
         packed = torch.cat([value_bytes, idx.to(index_dtype).view(1, k).view(torch.uint8)], dim=1)
@@ -391,10 +457,16 @@ class PowerSGD(Format):
     error_feedback: bool = True
     warm_start: bool = True
     codec: Codec | None = None
+    dense_steps: int = 0
+    min_compression_rate: float = 2.0
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"powersgd: rank must be at least 1, got {self.rank}")
+        if self.dense_steps < 0:
+            raise ValueError(f"powersgd: dense_steps must be >= 0, got {self.dense_steps}")
+        if self.min_compression_rate < 1.0:
+            raise ValueError(f"powersgd: min_compression_rate must be >= 1, got {self.min_compression_rate}")
 
     @property
     def needs_step(self) -> bool:  # type: ignore[override]
@@ -406,6 +478,8 @@ class PowerSGD(Format):
 
     def describe(self) -> str:
         parts = [f"PowerSGD rank {self.rank}", "warm start" if self.warm_start else "fresh Q each step"]
+        if self.dense_steps:
+            parts.append(f"dense for {self.dense_steps} steps")
         if self.codec is not None:
             parts.append(f"factors {self.codec.describe()}")
         if self.error_feedback:
@@ -413,13 +487,20 @@ class PowerSGD(Format):
         return ", ".join(parts)
 
     def resolve(self, path, shape):
-        # Vectors, and matrices whose factors are not smaller than they are, go uncompressed.
+        # Vectors, and matrices whose factors are not `min_compression_rate` times smaller than they are, go
+        # uncompressed (torch's PowerSGD hook and the authors' code: rate 2 by default).
         if len(shape) < 2:
             return None
         a, b = shape[0], math.prod(shape[1:])
-        if self.rank >= min(a, b) or (a + b) * self.rank >= a * b:
+        if self.rank >= min(a, b) or (a + b) * self.rank * self.min_compression_rate > a * b:
             return None
         return self
+
+    def schedule(self) -> tuple[int, ...]:
+        return (self.dense_steps,) if self.dense_steps else ()
+
+    def at(self, step: int) -> Format | None:
+        return None if step < self.dense_steps else replace(self, dense_steps=0)
 
     def state_shapes(self, shape, kind, world):
         out = {"residual": tuple(shape)} if self.error_feedback else {}
@@ -485,6 +566,9 @@ class SkipSmall(Format):
 
     def resolve(self, path, shape):
         return None if math.prod(shape) < self.min_numel else self.inner.resolve(path, shape)
+
+    def schedule(self) -> tuple[int, ...]:
+        return self.inner.schedule()
 
     def describe(self) -> str:
         return f"{self.inner.describe()} (leaves of {self.min_numel}+ elements)"
@@ -557,7 +641,14 @@ def int4(block: int = 128, error_feedback: bool = True, stochastic_rounding: boo
 
 
 def topk(
-    ratio: float = 0.01, error_feedback: bool = True, adaptive: bool = False, total_steps: int | None = None
+    ratio: float = 0.01,
+    error_feedback: bool = True,
+    adaptive: bool = False,
+    total_steps: int | None = None,
+    *,
+    dense_steps: int = 0,
+    warmup_steps: int = 0,
+    momentum: float = 0.0,
 ) -> Format:
     """Top-k sparsification: each rank sends its k = ceil(ratio * n) largest |values| and their int32 indices
     (8k bytes, all-gathered), the receivers scatter-add them into a dense fp32 sum.
@@ -567,18 +658,45 @@ def topk(
     sqrt(d) over the vector being compressed (gradient + residual), alpha decaying linearly from 0.1 to 0.01
     over `total_steps`; the k slots stay (static shapes), entries under tau are sent as zeros and kept in
     the residual.
+
+    DGC's remedies for early training and momentum, each off by default:
+
+    - `dense_steps=N`: the first N steps all-reduce the gradient uncompressed (fp32), as PowerSGD's
+      `start_powerSGD_iter`; the residual starts accumulating at step N.
+    - `warmup_steps=W`: DGC's sparsity warm-up: after the dense steps, the kept ratio starts at 25% and shrinks
+      4x per stage (25%, 6.25%, 1.56%, ...) down to `ratio`, in equal stages over W steps.
+    - `momentum=m`: DGC's momentum correction and momentum factor masking: each rank accumulates the velocity
+      u = m u + g instead of g, and an entry's velocity is cleared when it is sent. Meant for an optimizer
+      without momentum of its own (DGC replaces momentum SGD's momentum by it).
+
+    Phases (dense, each warm-up stage, then `ratio`) are separate static programs: `jit` picks one per step
+    from the `ExchangeState`'s step counter, so `comm_bytes` / `as_text()` of a step show what it sends.
     """
-    return TopK(ratio, error_feedback, adaptive, total_steps)
+    return TopK(ratio, error_feedback, adaptive, total_steps, dense_steps=dense_steps, warmup_steps=warmup_steps,
+                momentum=momentum)
 
 
-def powersgd(rank: int = 4, error_feedback: bool = True, warm_start: bool = True) -> Format:
+def powersgd(
+    rank: int = 4,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    *,
+    dense_steps: int = 0,
+    min_compression_rate: float = 2.0,
+) -> Format:
     """PowerSGD (Vogels et al., NeurIPS 2019): one power-iteration step per reduction on the gradient as a
     matrix M (shape[0], rest): P = M Q, all-reduce P, orthogonalise, Q = M^T P, all-reduce Q, result P Q^T.
 
     Sends (rows + cols) * rank fp32 values instead of rows * cols. With `warm_start` the summed Q is kept in
-    the state for the next step; 1-D leaves and matrices whose factors would not be smaller go uncompressed.
+    the state for the next step. 1-D leaves, and matrices whose factors are not at least
+    `min_compression_rate` times smaller than they are, go uncompressed (torch's PowerSGD hook and the
+    authors' code use 2). `dense_steps=N` all-reduces every gradient uncompressed for the first N steps
+    (torch's `start_powerSGD_iter`: "the beginning of training is usually very sensitive to inaccurate
+    gradients"); from step N on the program is PowerSGD's (jit compiles both, and picks one per step from
+    the `ExchangeState`'s step counter).
     """
-    return PowerSGD(rank, error_feedback, warm_start)
+    return PowerSGD(rank, error_feedback, warm_start, dense_steps=dense_steps,
+                    min_compression_rate=min_compression_rate)
 
 
 def chain(first: Format, codec: Format) -> Format:

@@ -26,6 +26,7 @@ class LeafState(NamedTuple):
     residual: Any = None  # EF: what compression left out, fp32, the local gradient's shape
     server_residual: Any = None  # EF of a two-phase all-reduce: the re-encoding error of this rank's chunk
     q: Any = None  # PowerSGD's warm-start Q, (cols, rank)
+    velocity: Any = None  # top-k's momentum correction (DGC): the accumulated velocity, the gradient's shape
 
 
 class ExchangeState:
@@ -33,24 +34,66 @@ class ExchangeState:
 
     Build it with `fmt.init(params)`; pass it into the jitted step and return it unchanged (the program
     writes the new values). `leaves` has the structure of the parameters with a `LeafState` per leaf.
+
+    `phase` is the start of the format's current phase (0, or a value of `format.schedule()`: a dense warm-up
+    ends there, say). It is part of the pytree's static structure, so `jit` compiles one program per phase;
+    while the last phase is not reached it is read off the step counter whenever the state is flattened (a
+    host read of one integer; on a GPU a sync, for the warm-up steps only). Once in the last phase the states a
+    step returns carry it and the counter is no longer read.
     """
 
-    __slots__ = ("step", "leaves", "format", "data_axes")
+    __slots__ = ("step", "leaves", "format", "data_axes", "phase")
 
-    def __init__(self, step: Any, leaves: Any, format: Format, data_axes: tuple[str, ...] | None) -> None:  # noqa: A002
+    def __init__(
+        self, step: Any, leaves: Any, format: Format, data_axes: tuple[str, ...] | None, phase: int = 0  # noqa: A002
+    ) -> None:
         self.step = step
         self.leaves = leaves
         self.format = format
         self.data_axes = data_axes
+        self.phase = phase
+
+    def current_phase(self) -> int:
+        """The phase the step counter is in (the largest value of `format.schedule()` <= step, or 0)."""
+        marks = self.format.schedule()
+        if not marks or self.phase == marks[-1]:
+            return self.phase
+        step = host_step(self.step)
+        if step is None:  # a traced value (inside jit): the phase the program is compiled for
+            return self.phase
+        return max((m for m in marks if m <= step), default=0)
+
+    def with_step(self, step: int) -> ExchangeState:
+        """This state with its step counter set to `step` (residuals shared): e.g. `lower` a step with it to see
+        the program of a later phase."""
+        if isinstance(self.step, DTensor):
+            local = torch.full_like(self.step._local_tensor, step)
+            counter = DTensor.from_local(local, self.step.device_mesh, self.step.placements, run_check=False)
+        else:
+            counter = torch.full_like(self.step, step)
+        return ExchangeState(counter, self.leaves, self.format, self.data_axes)
 
     def __repr__(self) -> str:
         n = sum(1 for _ in tree.leaves(self.leaves))
-        return f"ExchangeState({self.format.describe()}, {n} state tensors, data_axes={self.data_axes})"
+        phase = f", phase from step {self.phase}" if self.format.schedule() else ""
+        return f"ExchangeState({self.format.describe()}, {n} state tensors, data_axes={self.data_axes}{phase})"
+
+
+def host_step(step: Any) -> int | None:
+    """The value of a step counter (tensor or DTensor) on the host; None for a traced (fake) one."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not isinstance(step, torch.Tensor) or is_fake(step):
+        return None
+    local = step._local_tensor if isinstance(step, DTensor) else step
+    if is_fake(local) or local.device.type == "meta":
+        return None
+    return int(local.item())
 
 
 tree.register_node(
     ExchangeState,
-    lambda s: ((s.step, s.leaves), (s.format, s.data_axes), ("step", "leaves")),
+    lambda s: ((s.step, s.leaves), (s.format, s.data_axes, s.current_phase()), ("step", "leaves")),
     lambda aux, children: ExchangeState(children[0], children[1], *aux),
 )
 

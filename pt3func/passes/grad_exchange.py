@@ -50,6 +50,7 @@ class StateBinding:
     step_out: int | None
     # leaf path ("['fc1']['w']") -> (LeafState of input positions, LeafState of output positions or None)
     leaves: dict[str, tuple[LeafState, LeafState | None]] = field(default_factory=dict)
+    phase: int = 0  # the state's phase (format.schedule()): the program is the format's `at(phase)`
 
 
 def default_group_info(group_name: str) -> tuple[int, int]:
@@ -100,6 +101,13 @@ def rewrite(
     outs = list(output_node.args[0])
     done: set[str] = set()
     changed = False
+    phase = binding.phase if binding is not None else 0
+    if fmt.schedule() and binding is None:
+        raise GradExchangeError(
+            f"{name}: grad_exchange ({fmt.describe()}) changes program at steps {list(fmt.schedule())}, counted by "
+            f"the ExchangeState's step, but the step takes no ExchangeState. Build it with state = "
+            f"exchange.init(params), pass it to the step and return it unchanged."
+        )
     for collective, wait, label in gradient_reductions(gm):
         if label in done:  # a second reduction of the same leaf (e.g. over another axis) stays exact
             continue
@@ -108,6 +116,13 @@ def rewrite(
         x = collective.args[0]
         shape = tuple(x.meta["val"].shape)
         leaf_fmt = fmt.resolve(path, shape)
+        if leaf_fmt is not None and not set(leaf_fmt.schedule()) <= set(fmt.schedule()):
+            raise GradExchangeError(
+                f"{name}: {label}'s format {leaf_fmt.describe()} changes program at steps "
+                f"{list(leaf_fmt.schedule())}, which the top-level format {fmt.describe()} does not announce "
+                f"(per_leaf cannot know them): give dense_steps / warmup_steps to the top-level format only"
+            )
+        leaf_fmt = None if leaf_fmt is None else leaf_fmt.at(phase)
         if leaf_fmt is None:
             continue
         kind = _KINDS[analysis.collective_kind(collective)]
@@ -257,7 +272,7 @@ def bind(
         None,
     )
     binding = StateBinding(state_in.format, state_in.data_axes, gin[state_in.step],
-                           None if state_out is None else gout.get(state_out.step))
+                           None if state_out is None else gout.get(state_out.step), phase=state_in.phase)
     out_leaves = {} if state_out is None else _leaf_states(state_out.leaves)
     for path, ls in _leaf_states(state_in.leaves).items():
         out = out_leaves.get(path)
