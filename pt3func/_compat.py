@@ -77,3 +77,42 @@ def inductor_output_code() -> Iterator[list[str]]:
         yield sources
     finally:
         _output_code_sink.sources = outer
+
+
+def guard_inductor_cpu_loop_split() -> None:
+    """Keep Inductor's C++ backend from miscompiling loops whose length is not a multiple of a divisor they index by.
+
+    `CppScheduling.try_loop_split` (torch 2.11-2.13) turns an index `x // d` (d > 8) into a loop nest of
+    `size // d` by `d` without checking that `d` divides `size`, so the last `size % d` elements are never
+    computed: `torch.compile(lambda a, s: (a.view(-1, 256) * s[:, None]).reshape(-1)[:1000] * 3)` returns wrong
+    values for the last 232. Blockwise (de)quantisation lowered on CPU (pt3func.kernels.ops) makes exactly these
+    indices, so this skips the split for a fused group whenever some such index's loop length is not a known
+    multiple of its divisor (the loop then runs unsplit: correct, slightly less vectorised). Idempotent.
+    """
+    import sympy
+    from torch._inductor.codegen import cpp
+    from torch.utils._sympy.functions import FloorDiv
+
+    scheduling = getattr(cpp, "CppScheduling", None)
+    original = getattr(scheduling, "try_loop_split", None)
+    if original is None or getattr(original, "pt3func_guarded", False):
+        return
+
+    def uneven(nodes: list[Any]) -> bool:
+        for node in nodes:
+            (sizes, _), body, _ = node.node.get_default_sizes_body()
+            ranges = dict(zip(body.iter_vars, sizes))
+            for expr in body.indexing_exprs.values():
+                if not isinstance(expr, sympy.Expr):
+                    continue
+                for div in expr.find(FloorDiv):
+                    var, divisor = div.args
+                    if var in ranges and (sympy.Mod(ranges[var], divisor) != 0):
+                        return True
+        return False
+
+    def try_loop_split(self: Any, nodes: list[Any]) -> list[Any]:
+        return nodes if uneven(nodes) else original(self, nodes)
+
+    try_loop_split.pt3func_guarded = True  # type: ignore[attr-defined]
+    scheduling.try_loop_split = try_loop_split

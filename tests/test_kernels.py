@@ -305,6 +305,63 @@ def test_inductor_compiles_a_graph_with_the_ops():
         assert torch.equal(got, want)
 
 
+# Interpreter cases the Inductor test compiles (one program holding all of them; each case adds C++ kernels to
+# build): both widths, rounding to nearest and stochastic, error feedback, odd lengths and blocks, bf16 input,
+# non-finite values, ties.
+INDUCTOR_CASES = ["8bit-bf16-ef-odd-numel-block100", "8bit-non-finite-ef", "8bit-overshoot-stochastic",
+                  "4bit-stochastic-ef-bf16", "4bit-stochastic-odd-block-int8", "4bit-ties"]
+
+
+def _inductor_cases() -> tuple[list[tuple], list[torch.Tensor]]:
+    """The `INDUCTOR_CASES` as (bits, block, numel, stochastic, has residual, dtype) plus their flat inputs."""
+    statics, inputs = [], []
+    for name in INDUCTOR_CASES:
+        kw = INTERPRETER_CASES[name]
+        n, dtype = kw["n"], getattr(torch, kw.get("dtype", "float32"))
+        x = _case_input(n, dtype, kw.get("special", ""))
+        r = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.05 if kw.get("residual") else None
+        seed = torch.tensor(kw.get("seed", 0)) if kw.get("stochastic") else None
+        statics.append((kw["bits"], kw["block"], n, bool(kw.get("stochastic")), r is not None, dtype))
+        inputs += [x] + [t for t in (r, seed) if t is not None]
+    return statics, inputs
+
+
+def test_inductor_cpu_path_is_the_reference_bit_for_bit():
+    """On CPU Inductor lowers the ops through the reference's aten ops (fused C++ loops, no fast-math, no FMA
+    contraction): quantised and dequantised values (to fp32 and to the input's dtype), residuals, and values
+    computed from a slice of them (which Inductor fuses into one loop indexed by `i // block`, the loop split
+    `guard_inductor_cpu_loop_split` fixes) must match the reference exactly, and the compiled code must not call
+    the opaque ops."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from pt3func._compat import inductor_output_code
+
+    statics, inputs = _inductor_cases()
+
+    def run_all(quantize, dequantize, *flat):
+        it, outs = iter(flat), []
+        for bits, block, n, stochastic, has_res, dtype in statics:
+            x = next(it)
+            r = next(it) if has_res else None
+            seed = next(it) if stochastic else None
+            q, s, new_r = quantize(x, bits, block, r, stochastic, seed)
+            d = dequantize(q, s, bits, block, n, torch.float32)
+            outs += [q, s, d, dequantize(q, s, bits, block, n, dtype), d[: n - 7] * 3]
+            outs += [new_r, new_r[3:] * 3] if has_res else []
+        return outs
+
+    want = run_all(reference.quantize_blockwise, reference.dequantize_blockwise, *inputs)
+    ops = torch.ops.pt3func
+    gm = make_fx(lambda *flat: run_all(ops.quantize_blockwise, ops.dequantize_blockwise, *flat))(*inputs)
+    with inductor_output_code() as sources:
+        compiled = compile_fx(gm, inputs)
+    got = compiled(*inputs)
+    assert len(got) == len(want)
+    bad = [i for i, (w, g) in enumerate(zip(want, got)) if not _same(w, g)]
+    assert not bad, f"outputs {bad} differ from the reference"
+    assert sources and not any("pt3func.quantize_blockwise" in s or "pt3func.dequantize_blockwise" in s
+                               for s in sources)
+
 def test_ops_inside_pf_jit_match_the_reference():
     step = pf.jit(_ef_step)
     x, r, _ = _ef_args()
