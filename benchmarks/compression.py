@@ -621,19 +621,36 @@ def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
     bf16 = runs["bf16"]["step_ms"]
     int8 = runs["int8"]["step_ms"]
     cost = int8 / bf16 - 1
-    columns = ["exchange", "step ms", "tokens/s", "payload MiB", "vs bf16", "format"]
+    # pf.jit's exchange guard times int8 against a bf16 exchange on the first calls of the int8 run and keeps it only
+    # within 3% (pt3func/compress/guard.py); lm_step.py records what it decided.
+    decision = runs["int8"].get("exchange_decision")
+    columns = ["exchange", "step ms", "tokens/s", "payload MiB", "vs bf16", "format", "guard"]
     rows = []
     for name, r in runs.items():
         comm = sum(r.get("comm_bytes", {}).values()) / 2**20
+        d = r.get("exchange_decision")
+        guard = "" if not d else ("kept" if d["kept"] else "switched off") + f" ({d['overhead']:+.1%} in its trial)"
         rows.append([name, r["step_ms"], r["tokens_per_s"], comm, f"{r['step_ms'] / bf16 - 1:+.1%}",
-                     r.get("grad_exchange", "")])
-    verdict = (f"int8+EF costs {cost:+.1%} against the bf16 exchange: "
-               + ("within the 3% rule" if cost <= 0.03 else "over the 3% rule: compression should be switched off"))
+                     r.get("grad_exchange", ""), guard])
+    if decision is None:
+        within = cost <= 0.03
+        verdict = (f"int8+EF costs {cost:+.1%} against the bf16 exchange (no exchange guard ran): "
+                   + ("within the 3% rule" if within else "over the 3% rule"))
+    elif decision["kept"]:
+        within = cost <= 0.03
+        verdict = (f"exchange guard kept int8+EF ({decision['overhead']:+.1%} in its trial); the run's median step "
+                   f"costs {cost:+.1%} against the bf16 run: " + ("within the 3% rule" if within else
+                                                                 "over the 3% rule (the trial was too optimistic)"))
+    else:
+        within = True  # the rule's second branch: switched off automatically, with a logged reason
+        verdict = (f"int8+EF switched off automatically: {decision['reason']}. The int8 run's median step then costs "
+                   f"{cost:+.1%} against the bf16 run")
     env = runs["fp32"].get("env", {})
     print_table(f"Compressed gradient exchange, data parallel over {a.nproc} x {env.get('gpu', 'CPU')}: "
                 f"lm_step.py {runs['fp32'].get('config')}", columns, rows)
     print(verdict)
-    return {"runs": runs, "int8_vs_bf16": cost, "within_3pct": cost <= 0.03, "verdict": verdict}
+    return {"runs": runs, "int8_vs_bf16": cost, "exchange_decision": decision, "rule_met": within,
+            "verdict": verdict}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ record to `--out`. With `--max-memory-gib` a step that runs out of memory prints
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -398,6 +399,8 @@ def main() -> None:
         comm_bytes=cost["comm_bytes"],
         profile=profile,
         grad_exchange=a.grad_exchange if exchange is None else f"{a.grad_exchange} ({exchange.describe()})",
+        # pf.jit's exchange guard (pf.compress.Guard): compression kept or switched off, both medians, the reason.
+        exchange_decision=dataclasses.asdict(step.exchange_decision()) if step.exchange_decision() else None,
         config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),
         env=environment(),
     )
