@@ -17,6 +17,7 @@ from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
+from pt3func.passes.gather_cast import cast_before_gather
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
@@ -306,7 +307,7 @@ class Jitted:
         donated_graph = [graph_in[i] for i in donated_leaves]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
         gm = apply_donation(gm, plan_g)
-        optimisations = []
+        optimisations = [cast_before_gather]  # same values, fewer bytes: safe run op by op too
         if self.backend == "inductor":
             # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
             # after its last use in the graph, which may be while a collective still in flight reads it.
