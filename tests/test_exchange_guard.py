@@ -17,7 +17,6 @@ from dist import run_world
 import pt3func as pf
 
 C = pf.compress
-SPECS, BATCH = cc.LAYOUTS["dp2"][2], cc.LAYOUTS["dp2"][3]
 OPT = pf.optim.sgd(0.1, momentum=0.9)
 INT8 = C.int8()
 STEPS = 10  # 1 warm-up + 3 timed calls of each program, then 2 calls of the chosen one
@@ -51,20 +50,22 @@ def mesh():
     return pf.make_mesh((2,), ("dp",), virtual=True)
 
 
-def jitted(grad_exchange=INT8, donate=True, backend="eager", **kwargs):
-    return pf.jit(train_step, in_shardings=(SPECS, None, BATCH, BATCH), grad_exchange=grad_exchange,
+def jitted(grad_exchange=INT8, donate=True, backend="eager", layout="dp2", **kwargs):
+    specs, batch = cc.LAYOUTS[layout][2:4]
+    return pf.jit(train_step, in_shardings=(specs, None, batch, batch), grad_exchange=grad_exchange,
                   donate_argnums=(0, 1) if donate else (), backend=backend, **kwargs)
 
 
-def start(fmt=INT8):
-    params = pf.device_put(cc.init_params(), SPECS)
-    return params, (pf.jit(OPT.init, backend="eager")(params), fmt.init(params))
+def start(fmt=INT8, layout="dp2"):
+    specs, data_axes = cc.LAYOUTS[layout][2], cc.LAYOUTS[layout][4]
+    params = pf.device_put(cc.init_params(), specs)
+    return params, (pf.jit(OPT.init, backend="eager")(params), fmt.init(params, data_axes=data_axes))
 
 
-def train(mesh, step, steps=STEPS, fmt=INT8):
+def train(mesh, step, steps=STEPS, fmt=INT8, layout="dp2"):
     """Run `step` `steps` times; return the final params (full tensors) and the state's step counter after each."""
     with pf.set_mesh(mesh):
-        params, state = start(fmt)
+        params, state = start(fmt, layout)
         counters = []
         for t in range(steps):
             params, state, _ = step(params, state, *cc.batch(t))
@@ -128,11 +129,11 @@ def test_training_equals_running_the_chosen_programs_directly(mesh, kept):
         assert torch.equal(got[k], want[k]), k
 
 
-@pytest.mark.parametrize("donate", [True, False])
-def test_reference_program_passes_the_exchange_state_through(mesh, donate):
-    step = jitted(donate=donate, exchange_guard=C.Guard(timer=fake_timer(0.2, 0.1)))
+@pytest.mark.parametrize("layout,donate", [("dp2", True), ("dp2", False), ("fsdp2", True)])
+def test_reference_program_passes_the_exchange_state_through(mesh, layout, donate):
+    step = jitted(donate=donate, layout=layout, exchange_guard=C.Guard(timer=fake_timer(0.2, 0.1)))
     with pf.set_mesh(mesh):
-        params, state = start()
+        params, state = start(layout=layout)
         params, state, _ = step(params, state, *cc.batch(0))  # compressed: the residuals are now non-zero
         before = pf.device_get(state[1])
         assert float(before.leaves["w1"].residual.abs().sum()) > 0
@@ -144,6 +145,23 @@ def test_reference_program_passes_the_exchange_state_through(mesh, donate):
             assert torch.equal(a, b)
         if donate:  # the donated state comes back in its own buffers, not copied
             assert [r._local_tensor.data_ptr() for r in state[1].leaves["w1"].residual.locals] == buffers
+
+
+def test_one_slow_rank_of_a_2d_mesh_decides_for_all():
+    # FSDP x TP on a 2 x 2 virtual mesh: rank 3 alone times compression slower; the medians are maximised over
+    # both mesh axes, so all four ranks switch off, and their programs keep running in step.
+    mesh = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+
+    def timer(program, run):
+        slow = torch.distributed.get_rank() == 3 and program == "compressed"
+        return run(), 0.2 if slow else 0.1
+
+    step = jitted(layout="fsdp_tp", exchange_guard=C.Guard(timer=timer))
+    _, counters = train(mesh, step, layout="fsdp_tp")
+    decisions = [compiled.exchange_decision() for compiled in step._cache.values()]  # one program per rank
+    assert [d.kept for d in decisions] == [False] * 4
+    assert {(d.compressed_ms, d.reference_ms) for d in decisions} == {(200.0, 100.0)}
+    assert counters == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4]
 
 
 def test_default_guard_and_no_guard(mesh, monkeypatch):
