@@ -12,7 +12,13 @@ from torch.distributed.tensor import DTensor
 
 from pt3func import tree
 from pt3func.compress.formats import Format
-from pt3func.compress.guard import ExchangeSwitch, check_exchange_guard, copy_program, guard_for
+from pt3func.compress.guard import (
+    ExchangeSwitch,
+    check_exchange_guard,
+    copy_program,
+    forward_unchanged_inputs,
+    guard_for,
+)
 from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
@@ -271,7 +277,7 @@ class Jitted:
         untouched = copy_program(gm) if guard is not None else None
         if _reference is not None:
             # No state binding: the reference format keeps none, so the ExchangeState goes out as it came in.
-            gm = grad_exchange.rewrite(gm, _reference[2], None, name=self.name)
+            gm = forward_unchanged_inputs(grad_exchange.rewrite(gm, _reference[2], None, name=self.name))
         elif self.grad_exchange is not None:
             gm = _rewrite_grad_exchange(self.name, gm, self.grad_exchange, treedef, out_info, graph_input_leaves)
         elif grad_exchange.has_state(treedef):

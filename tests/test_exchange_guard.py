@@ -13,8 +13,11 @@ import compress_cases as cc
 import pytest
 import torch
 from dist import run_world
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import pt3func as pf
+from pt3func.compress.guard import forward_unchanged_inputs
+from pt3func.runtime.donated import is_donated
 
 C = pf.compress
 OPT = pf.optim.sgd(0.1, momentum=0.9)
@@ -137,14 +140,30 @@ def test_reference_program_passes_the_exchange_state_through(mesh, layout, donat
         params, state, _ = step(params, state, *cc.batch(0))  # compressed: the residuals are now non-zero
         before = pf.device_get(state[1])
         assert float(before.leaves["w1"].residual.abs().sum()) > 0
-        buffers = [r._local_tensor.data_ptr() for r in state[1].leaves["w1"].residual.locals]
+        old = state[1].leaves["w1"].residual.locals
+        buffers = [r._local_tensor.data_ptr() for r in old]
         params, state, _ = step(params, state, *cc.batch(1))  # the reference program's warm-up call
         after = pf.device_get(state[1])
         assert int(after.step) == int(before.step) == 1
         for a, b in zip(pf.tree.leaves(after.leaves), pf.tree.leaves(before.leaves)):
             assert torch.equal(a, b)
-        if donate:  # the donated state comes back in its own buffers, not copied
-            assert [r._local_tensor.data_ptr() for r in state[1].leaves["w1"].residual.locals] == buffers
+        # Donated or not, the state comes back in its own buffers, never copied; donated, the reference program
+        # consumes it as the compressed one does (the old handles are unusable, not silently shared).
+        assert [r._local_tensor.data_ptr() for r in state[1].leaves["w1"].residual.locals] == buffers
+        assert [is_donated(r) for r in old] == [donate] * 2
+
+
+def test_forward_unchanged_inputs():
+    def program(x, y):
+        return [x.view(4, 2).view(8), y.view(2, 4), x + 1, torch.ops.aten.alias(y)]
+
+    gm = make_fx(program, tracing_mode="fake")(torch.empty(8), torch.empty(8))
+    gm = forward_unchanged_inputs(gm)
+    x, y = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert outs[0] is x and outs[3] is y  # views of the input's own shape: the input itself
+    assert outs[1].target is torch.ops.aten.view.default and outs[2].target is torch.ops.aten.add.Tensor
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(torch.ops.aten.view.default) == 1
 
 
 def test_one_slow_rank_of_a_2d_mesh_decides_for_all():
