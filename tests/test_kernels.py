@@ -332,9 +332,8 @@ def test_inductor_cpu_path_is_the_reference_bit_for_bit():
     computed from a slice of them (which Inductor fuses into one loop indexed by `i // block`, the loop split
     `guard_inductor_cpu_loop_split` fixes) must match the reference exactly, and the compiled code must not call
     the opaque ops."""
-    from torch._inductor.compile_fx import compile_fx
-
     from pt3func._compat import inductor_output_code
+    from pt3func.runtime.backend import compile_program
 
     statics, inputs = _inductor_cases()
 
@@ -354,7 +353,7 @@ def test_inductor_cpu_path_is_the_reference_bit_for_bit():
     ops = torch.ops.pt3func
     gm = make_fx(lambda *flat: run_all(ops.quantize_blockwise, ops.dequantize_blockwise, *flat))(*inputs)
     with inductor_output_code() as sources:
-        compiled = compile_fx(gm, inputs)
+        compiled = compile_program(gm, inputs, "inductor")  # what pf.jit compiles a CPU program with
     got = compiled(*inputs)
     assert len(got) == len(want)
     bad = [i for i, (w, g) in enumerate(zip(want, got)) if not _same(w, g)]
@@ -392,3 +391,19 @@ def test_cuda_ops_match_the_cpu_reference(bits):
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
     _interpreter_main()
+
+
+def test_cpu_lowering_is_not_in_inductors_global_table():
+    """A CUDA program makes the ops Inductor fallbacks (the Triton launchers), which Inductor refuses for an op
+    that also has a global decomposition ("both a fallback and a decomp for same op", seen on the H200): the
+    CPU lowering is passed per program instead."""
+    from torch._inductor.decomposition import decompositions
+
+    from pt3func.runtime.backend import _decompositions
+
+    ops = torch.ops.pt3func
+    assert ops.quantize_blockwise.default not in decompositions
+    assert ops.dequantize_blockwise.default not in decompositions
+    assert _decompositions([torch.empty(3)])[ops.quantize_blockwise.default] is not None
+    with torch.device("meta"):
+        assert _decompositions([torch.empty(3)]) is None  # not a CPU program: Inductor's default table

@@ -4,18 +4,20 @@
 imports) and the torch reference elsewhere. Their fake implementations give the output shapes from the
 static arguments alone, so `make_fx(tracing_mode="fake")` and Inductor treat them like any other op.
 
-On CPU, Inductor does not call the ops: they are registered as Inductor decompositions into the reference's aten
-ops (`_decompose_on_cpu`), so the C++ backend fuses each quantisation (error feedback and the payload layout
-around it included) into a loop or two over memory. Run op by op, the reference makes about fifteen passes over
-the buffer (43 ms against 2.9 ms for int8 + EF of 4 Mi elements on one core), which cost more than the bytes
-int8 saves on a 1 Gbit/s link. The traced program still holds one node per call (the decomposition happens
-when Inductor compiles it), and the result is the reference's bit for bit: Inductor's C++ is built without
-fast-math and without FMA contraction (tests/test_kernels.py checks it). Registering them also installs
-`pt3func._compat.guard_inductor_cpu_loop_split`, a fix for an Inductor miscompile these lowered ops would
+On CPU, Inductor does not call the ops: pt3func's backend compiles a CPU program with `cpu_decompositions()`,
+which lower them to the reference's aten ops, so the C++ backend fuses each quantisation (error feedback and the
+payload layout around it included) into a loop or two over memory. Run op by op, the reference makes about
+fifteen passes over the buffer (43 ms against 2.9 ms for int8 + EF of 4 Mi elements on one core), which cost
+more than the bytes int8 saves on a 1 Gbit/s link. The traced program still holds one node per call (the
+decomposition happens when Inductor compiles it), and the result is the reference's bit for bit: Inductor's C++
+is built without fast-math and without FMA contraction (tests/test_kernels.py checks it). The table also
+installs `pt3func._compat.guard_inductor_cpu_loop_split`, a fix for an Inductor miscompile these lowered ops would
 otherwise hit whenever a length is not a multiple of the block.
 """
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -82,28 +84,26 @@ def _(q, scales, bits, block, numel, dtype):
     return q.new_empty((numel,), dtype=dtype)
 
 
-def _decompose_on_cpu() -> None:
-    """Let Inductor lower the ops through the torch reference on CPU (see the module docstring); on other devices
-    the decompositions decline (NotImplemented), so CUDA keeps the Triton kernels behind the opaque op."""
-    from torch._inductor.decomposition import decompositions
+def cpu_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Inductor decompositions of the ops into the torch reference, for programs compiled for the CPU.
 
+    Passed to `compile_fx` by pt3func's backend only when a program's inputs are on the CPU (see the module
+    docstring). Never registered in Inductor's global table: for CUDA programs Inductor makes the ops fallback
+    kernels (the Triton launchers), and it refuses an op that has both a fallback and a global decomposition
+    ("both a fallback and a decomp for same op"), which is what broke the int8 exchange on the H200.
+    """
     from pt3func._compat import guard_inductor_cpu_loop_split
 
     guard_inductor_cpu_loop_split()  # the lowered ops index by `i // block`, which Inductor's loop split mishandles
 
     def quantize(x, bits, block, residual, stochastic, seed):
-        if x.device.type != "cpu":
-            return NotImplemented
         q, scales, new_residual = reference.quantize_blockwise(x, bits, block, residual, stochastic, seed)
         return q, scales, x.new_empty((0,), dtype=torch.float32) if new_residual is None else new_residual
 
     def dequantize(q, scales, bits, block, numel, dtype):
-        if q.device.type != "cpu":
-            return NotImplemented
         return reference.dequantize_blockwise(q, scales, bits, block, numel, dtype)
 
-    decompositions[torch.ops.pt3func.quantize_blockwise.default] = quantize
-    decompositions[torch.ops.pt3func.dequantize_blockwise.default] = dequantize
-
-
-_decompose_on_cpu()
+    return {
+        torch.ops.pt3func.quantize_blockwise.default: quantize,
+        torch.ops.pt3func.dequantize_blockwise.default: dequantize,
+    }
