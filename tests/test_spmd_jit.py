@@ -19,7 +19,11 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict:
 
 
 def _run_inductor_cases(rank: int, world: int, names: list[str]) -> dict:
-    return {name: spmd_cases.run_case(name, backend="inductor") for name in names}
+    results = {name: spmd_cases.run_case(name, backend="inductor") for name in names}
+    spmd_cases.pf.config.gradient_bucket_bytes = 25 * 2**20  # opt-in gradient bucketing (passes/bucketing.py)
+    results["dp2_bucketed"] = spmd_cases.run_case("dp2", backend="inductor")
+    spmd_cases.pf.config.gradient_bucket_bytes = None
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def two_rank_inductor_results():
     return run_world(2, _run_inductor_cases, TWO_RANK)
 
 
-@pytest.mark.parametrize("name", TWO_RANK)
+@pytest.mark.parametrize("name", [*TWO_RANK, "dp2_bucketed"])
 def test_inductor_programs_match_single_device(two_rank_inductor_results, reference, name):
     # Compiled programs also go through the overlap passes (collectives issued early, waits sunk, updates
     # reordered), which the op-by-op runs above skip.
@@ -146,7 +150,10 @@ def test_zero1_donation_reuses_every_buffer(four_rank_results):
 
 
 def test_data_parallel_gradients_are_bucketed(two_rank_inductor_results):
-    # One all-reduce for the three small gradients (passes/bucketing.py), one for the loss.
-    lines = [line for line in two_rank_inductor_results[0]["dp2"]["text"].splitlines() if "all_reduce(" in line]
+    # Bucketed: one all-reduce for the three small gradients (passes/bucketing.py), one for the loss; by
+    # default one per gradient.
+    text = two_rank_inductor_results[0]["dp2_bucketed"]["text"]
+    lines = [line for line in text.splitlines() if "all_reduce(" in line]
     assert len(lines) == 2
     assert "grad of 3 leaves (bucket)" in lines[0]
+    assert two_rank_inductor_results[0]["dp2"]["text"].count("all_reduce(") == 4
