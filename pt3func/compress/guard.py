@@ -3,7 +3,7 @@
 Compression pays on slow links and costs on fast ones: on 2 H200s over NVLink the anchor step takes 47.0 ms with
 the bf16 exchange and 120.7 ms with int8 + error feedback, whose quantise / dequantise work costs more than the
 bytes it saves (Agarwal et al., MLSys 2022, found compression faster in 6 of 200+ setups). So
-`pf.jit(step, grad_exchange=fmt)` guards every format that compresses below 16 bits:
+`pf.jit(step, grad_exchange=fmt)` guards every format but bf16, fp16 and none (which are references themselves):
 
 - each signature is lowered twice from one trace: the compressed program, and a reference program whose gradient
   reductions use the guard's `reference` format (bf16 by default); the reference program passes the step's
@@ -275,12 +275,9 @@ class ExchangeSwitch:
         )
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.log(logging.INFO if kept else logging.WARNING, reason)
-        # Only the chosen program stays referenced: the other one's compiled code and buffers can be freed.
         self._chosen = self._compressed if kept else self._reference
-        if kept:
+        if kept:  # the reference program is no longer referenced: its compiled code (and CUDA graph) can go
             self._reference = None
-        else:
-            self._compressed = None  # type: ignore[assignment]
 
     def _slowest_rank(self, values: list[float]) -> list[float]:
         """`values` maximised over every rank of the mesh: one all-reduce per mesh axis (a row then a column of a
