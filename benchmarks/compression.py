@@ -23,9 +23,17 @@ table (its numbers are from a blog, not measured here). Columns, per format:
   on `--ranks` gloo processes for `--steps` steps from the same init and batches; final validation loss
   and its ratio to the fp32 run's, against the issue's bound (1% bf16, int8+EF; 3% int4+EF, top-k 1%+EF,
   PowerSGD rank 4).
-- **slow-link ms** and **speed-up**: step time of a model whose gradient exchange dominates (a wide MLP,
-  `--mlp-width`), data-parallel over gloo ranks in Linux network namespaces whose links are limited to
-  1 Gbit/s by `tc tbf` (benchmarks/netns/slowlink.py; needs root), and its speed-up over fp32.
+- **slow-link ms** and **speed-up**: step time of a model whose gradient exchange dominates, data-parallel over
+  gloo ranks in Linux network namespaces whose links are limited to 1 Gbit/s by `tc tbf`
+  (benchmarks/netns/slowlink.py; needs root), and its speed-up over fp32. The model is a wide MLP
+  (`--mlp-layers` x `--mlp-width`, 4 x 1024: 4.2 M params, 16 MiB of fp32 gradient) on `--mlp-batch` 8 rows per
+  rank: its forward and backward are ~0.2 GFLOP a step (~10-15 ms on one core), while an fp32 all-reduce of
+  16 MiB over 1 Gbit/s takes ~135 ms with 2 ranks, so the exchange is ~85% of the fp32 step (the profile
+  below measures it). By default 2 ranks, one per core of the 2-core machine this was built on (4 ranks share
+  the cores and time each other's host work). The steps of all formats are compiled first and timed
+  round-robin, then profiled (`--slowlink-profile` steps each, torch.profiler): milliseconds per step waiting
+  for collectives, issuing them, in the codec (quantise / dequantise) kernels, matmuls, other kernels, and
+  the rest of the host time, in the JSON under `slowlink.formats.<name>.profile_ms`.
 
 Every rank of a part is a process of its own started by this script (plain processes on loopback for
 wire/error/converge, `ip netns exec` ones for the slow link); rank 0 writes its results to a file this
@@ -106,12 +114,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--backend", choices=("eager", "inductor"), default="eager",
         help="pf.jit backend in the ranks (eager: 4 ranks compiling with Inductor on 2 cores cost minutes each)")
     # The slow link.
-    add("--slowlink-ranks", type=int, default=4)
+    add("--slowlink-ranks", type=int, default=2, help="slow-link ranks (default: one per core of a 2-core machine)")
     add("--rate", default="1gbit", help="tc rate of every link")
     add("--mlp-width", type=int, default=1024)
     add("--mlp-layers", type=int, default=4)
     add("--mlp-batch", type=int, default=8, help="rows per rank")
-    add("--slowlink-steps", type=int, default=10, help="timed steps per format (after 3 warm-up steps)")
+    add("--slowlink-steps", type=int, default=30,
+        help="timed steps per format (after 3 warm-up steps), formats taking turns step by step")
+    add("--slowlink-profile", type=int, default=5, help="steps per format profiled after the timing (0: none)")
     add("--slowlink-backend", choices=("eager", "inductor"), default="inductor",
         help="pf.jit backend of the slow-link step (eager spends ~50 ms/step on the host in Python alone)")
     # GPU.
@@ -128,7 +138,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if a.smoke:
         a.ranks, a.steps, a.batch, a.seq, a.d_model, a.layers, a.heads = 2, 4, 8, 16, 32, 1, 2
         a.warmup, a.eval_batches, a.error_after, a.max_bytes = 1, 2, 2, 100_000
-        a.slowlink_ranks, a.mlp_width, a.mlp_layers, a.slowlink_steps = 2, 64, 2, 2
+        a.slowlink_ranks, a.mlp_width, a.mlp_layers, a.slowlink_steps, a.slowlink_profile = 2, 64, 2, 2, 1
     return a
 
 
@@ -453,24 +463,90 @@ def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
 # Rank side: the slow link.
 
 
+def _mlp(width: int, layers: int, seed: int = 0) -> tuple[dict[str, Any], Callable[..., Any]]:
+    """The slow-link model: `layers` square `width` linear layers with tanh between, and its MSE loss."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    params = {f"l{i}": {"w": torch.randn(width, width, generator=gen) / math.sqrt(width),
+                        "b": torch.zeros(width)} for i in range(layers)}
+
+    def loss_fn(p: Any, batch: Any) -> Any:
+        x, y = batch
+        for i in range(layers):
+            x = torch.nn.functional.linear(x, p[f"l{i}"]["w"], p[f"l{i}"]["b"])
+            x = torch.tanh(x) if i < layers - 1 else x
+        return torch.nn.functional.mse_loss(x, y)
+
+    return params, loss_fn
+
+
+# Where a profiled slow-link step spends its time, by profiler event name (self CPU time of the rank's main
+# thread; the first matching category wins). Inductor's C++ kernels show up by name because the slow-link ranks
+# compile with `cpp.enable_kernel_profile`; a codec kernel is one fused from the quantisation ops.
+PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("exchange wait", lambda k: "wait_tensor" in k),
+    ("collective issue", lambda k: "_c10d_functional::" in k or k.startswith("c10d::")),
+    ("codec kernels", lambda k: "quantize_blockwise" in k),
+    ("matmul", lambda k: k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkl_linear", "mkl_linear")
+     or "extern_kernels" in k),
+    ("other kernels", lambda k: "cpp_fused" in k or k.startswith("aten::")),
+)
+
+
+STEP_MARK = "slowlink step"  # a profiler range around each step, in the thread that runs the program
+
+
+def _profile_breakdown(prof: Any, steps: int, wall_s: float) -> dict[str, Any]:
+    """Milliseconds per step by `PROFILE_CATEGORIES`; "host, other" is the step's wall time not in any event
+    (pf.jit's Python dispatch, the Inductor wrapper). Events of other threads (gloo's) are left out."""
+    main = {evt.thread for evt in prof.events() if evt.name == STEP_MARK}
+    per: dict[str, float] = {name: 0.0 for name, _ in PROFILE_CATEGORIES}
+    events: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.thread not in main or evt.name == STEP_MARK or "barrier" in evt.name:
+            continue
+        us = evt.self_cpu_time_total
+        events[evt.name] = events.get(evt.name, 0.0) + us
+        for name, match in PROFILE_CATEGORIES:
+            if match(evt.name):
+                per[name] += us
+                break
+    out = {name: us / 1e3 / steps for name, us in per.items()}
+    out["host, other"] = wall_s * 1e3 / steps - sum(out.values())
+    out["step"] = wall_s * 1e3 / steps
+    top = sorted(events.items(), key=lambda kv: -kv[1])[:12]
+    out["top_events_ms"] = {k: v / 1e3 / steps for k, v in top}
+    return out
+
+
 def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
-    """A wide MLP whose gradient (fp32) dwarfs its compute; per format the median time of a step."""
+    """A wide MLP whose fp32 gradient exchange dwarfs its compute; per format the median time of a step.
+
+    Every format's step is compiled first; then the steps are timed round-robin (one step of each format in
+    turn, 3 warm-up rounds, then `--slowlink-steps` timed rounds), so a change in the machine's load during the
+    run (other processes on the same cores) reaches every format alike. Then `--slowlink-profile` more steps of
+    each format run under torch.profiler, for where the time goes (`_profile_breakdown`).
+    """
     import statistics
 
     import torch
     import torch.distributed as dist
+    from torch._inductor import config as inductor_config
 
     import pt3func as pf
     from pt3func import P
 
+    # One core per rank: with 2 ranks on 2 cores, more threads per rank only contend.
     torch.set_num_threads(1)
+    inductor_config.cpp.enable_kernel_profile = a.slowlink_profile > 0  # kernels named in the profile
     n = a.slowlink_ranks
     mesh = pf.make_mesh((n,), ("dp",))
     rank0 = dist.get_rank() == 0
     say = print if rank0 else (lambda *args, **kw: None)
-    from slowlink import probe_main  # noqa: F401  (same process group: probe inline below)
+    load_start = os.getloadavg()
 
-    # Bandwidth probe on the already-started group: 64 MiB fp32 all-reduce (16 MiB in smoke runs).
+    # Bandwidth probe on the already-started group: 64 MiB fp32 all-reduce (4 MiB in smoke runs).
     mib = 4 if a.smoke else 64
     x = torch.ones(mib * 2**20 // 4)
     dist.all_reduce(x)
@@ -484,29 +560,22 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
     del x
 
     width, layers = a.mlp_width, a.mlp_layers
-    gen = torch.Generator().manual_seed(0)
-    params = {f"l{i}": {"w": torch.randn(width, width, generator=gen) / math.sqrt(width),
-                        "b": torch.zeros(width)} for i in range(layers)}
+    params, loss_fn = _mlp(width, layers)
     n_params = sum(t.numel() for t in pf.tree.leaves(params))
     opt = pf.optim.sgd(1e-3, momentum=0.9)
-
-    def loss_fn(p: Any, batch: Any) -> Any:
-        x, y = batch
-        for i in range(layers):
-            x = torch.nn.functional.linear(x, p[f"l{i}"]["w"], p[f"l{i}"]["b"])
-            x = torch.tanh(x) if i < layers - 1 else x
-        return torch.nn.functional.mse_loss(x, y)
 
     def train_step(p: Any, opt_state: Any, ex_state: Any, batch: Any) -> Any:
         loss, grads = pf.value_and_grad(loss_fn)(p, batch)
         updates, opt_state = opt.update(grads, opt_state, p)
         return pf.optim.apply_updates(p, updates), opt_state, ex_state, loss
 
+    gen = torch.Generator().manual_seed(1)
     batch = (torch.randn(a.mlp_batch * n, width, generator=gen), torch.randn(a.mlp_batch * n, width, generator=gen))
     names = [f for f in SLOWLINK_FORMATS if f in a.formats.split(",")]
     out: dict[str, Any] = {"probe": dict(mib=mib, seconds=probe_s, bus_gbit_s=bus), "formats": {}}
     with pf.set_mesh(mesh):
         specs = pf.tree.map(lambda _: P(), params)
+        runs: dict[str, dict[str, Any]] = {}
         for name in names:
             p = pf.device_put(params, specs)
             exchange = make_exchange(name)
@@ -515,18 +584,48 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
             step = make_step(train_step, exchange, in_shardings=(specs, None, None, P("dp")),
                              donate_argnums=(0, 1), backend=a.slowlink_backend)
             comm = wire_bytes(step.lower(p, opt_state, ex_state, batch), n)["total"]
-            times = []
-            for _ in range(3 + a.slowlink_steps):
-                dist.barrier()
-                start = time.perf_counter()
-                p, opt_state, ex_state, loss = step(p, opt_state, ex_state, batch)
-                float(pf.device_get(loss))
-                times.append(time.perf_counter() - start)
-            med = statistics.median(times[3:])
-            out["formats"][name] = dict(step_ms=med * 1e3, times_ms=[t * 1e3 for t in times[3:]], wire_bytes=comm)
-            say(f"slow link {name}: {med * 1e3:.1f} ms/step, {comm / 2**20:.2f} MiB sent per rank", flush=True)
+            runs[name] = dict(step=step, state=(p, opt_state, ex_state), wire_bytes=comm, losses=[])
+
+        def one_step(name: str) -> float:
+            r = runs[name]
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.profiler.record_function(STEP_MARK):
+                p, opt_state, ex_state, loss = r["step"](*r["state"], batch)
+                r["losses"].append(float(pf.device_get(loss)))
+            seconds = time.perf_counter() - start
+            r["state"] = (p, opt_state, ex_state)
+            return seconds
+
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(3 + a.slowlink_steps):
+            for name in names:
+                seconds = one_step(name)
+                if i >= 3:
+                    times[name].append(seconds)
+        for name in names:
+            med = statistics.median(times[name])
+            out["formats"][name] = dict(step_ms=med * 1e3, times_ms=[t * 1e3 for t in times[name]],
+                                        wire_bytes=runs[name]["wire_bytes"], final_loss=runs[name]["losses"][-1])
+            say(f"slow link {name}: {med * 1e3:.1f} ms/step, {runs[name]['wire_bytes'] / 2**20:.2f} MiB sent per "
+                f"rank", flush=True)
+
+        if a.slowlink_profile > 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            for name in names:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    wall = sum(one_step(name) for _ in range(a.slowlink_profile))
+                breakdown = _profile_breakdown(prof, a.slowlink_profile, wall)
+                out["formats"][name]["profile_ms"] = breakdown
+                say(f"slow link profile {name}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in breakdown.items() if not isinstance(v, dict)) + " (ms/step)",
+                    flush=True)
+    out["load_avg"] = dict(start=load_start, end=os.getloadavg())
     out["config"] = dict(ranks=n, width=width, layers=layers, batch_per_rank=a.mlp_batch, params=n_params,
-                         steps=a.slowlink_steps, optimizer="sgd(momentum=0.9)", backend=a.slowlink_backend)
+                         steps=a.slowlink_steps, optimizer="sgd(momentum=0.9)", backend=a.slowlink_backend,
+                         timing="round-robin over formats", threads=torch.get_num_threads(),
+                         profile_steps=a.slowlink_profile)
     return out
 
 
