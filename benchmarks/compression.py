@@ -4,16 +4,21 @@
     .venv/bin/python benchmarks/compression.py --parts wire,error,converge --tag gpt   # no root needed (~35 min)
     sudo .venv/bin/python benchmarks/compression.py --parts slowlink --reuse benchmarks/results/compression_gpt.json
     sudo .venv/bin/python benchmarks/compression.py --parts slowlink --rate 100mbit --tag cpu_100mbit
+    .venv/bin/python benchmarks/compression.py --parts wire,error,converge --tag gpt_warmup \
+        --formats 'fp32,topk 1%+EF+warmup,powersgd r4+warmup'  # the warm-up rows only (~15 min)
     .venv/bin/python benchmarks/compression.py --smoke         # a few steps of everything, tiny models
     python benchmarks/compression.py --gpu                     # 2 GPUs: the anchor step, fp32/bf16/int8+EF exchange
 
 Formats (rows): the fp32 all-reduce of plain data parallelism, then `pf.compress.bf16()`, `fp16()`,
 `int8(error_feedback=True)`, `int4(error_feedback=True)`, `topk(ratio=0.01, error_feedback=True)`,
-`powersgd(rank=4)`, each given to `pf.jit(grad_exchange=...)`. Above them, the seed document's FP32 / FP16 / INT4
+`powersgd(rank=4)`, and these two again with their papers' warm-ups (dense first steps, DGC's sparsity ramp; see
+FORMATS), each given to `pf.jit(grad_exchange=...)`. Above them, the seed document's FP32 / FP16 / INT4
 table (its numbers are from a blog, not measured here). Columns, per format:
 
 - **wire**: bytes of every collective of the data-parallel train step per rank, relative to the fp32 step's,
-  read from the lowered program (`step.lower(...).cost_analysis()["comm_bytes"]`), exactly.
+  read from the lowered program (`step.lower(...).cost_analysis()["comm_bytes"]`), exactly. A format with
+  phases (a dense warm-up) is one program per phase: its last phase's bytes, and "(run x)" the average over
+  the `--steps` of the convergence run.
 - **grad err**: relative L2 error ||g~ - g|| / ||g|| of the gradient after the exchange against the exact
   all-reduced one, on the char GPT after `--error-after` fp32 steps, one exchange from a fresh
   error-feedback state (what one step loses; error feedback pays it back later, `grad err 20` is the
@@ -81,6 +86,13 @@ FORMATS: dict[str, tuple[str | None, float | None]] = {
     "int4+EF": ("int4(error_feedback=True)", 0.03),
     "topk 1%+EF": ("topk(ratio=0.01, error_feedback=True)", 0.03),
     "powersgd r4": ("powersgd(rank=4)", 0.03),
+    # The same two with the literature's remedies for early training (pf.compress.topk / powersgd docstrings):
+    # DGC's (Lin et al. 2018) dense start and sparsity warm-up (25% -> 6.25% -> 1.6% -> 1%) and its dense
+    # exchange of 1-D leaves; torch's PowerSGD hook's start_powerSGD_iter, whose docs suggest 10% of the steps
+    # and no less than the lr warm-up (30 steps here: --warmup).
+    "topk 1%+EF+warmup": ("skip_small(topk(ratio=0.01, error_feedback=True, dense_steps=30, warmup_steps=60), "
+                          "min_numel=256)", 0.03),
+    "powersgd r4+warmup": ("powersgd(rank=4, dense_steps=30)", 0.03),
 }
 SLOWLINK_FORMATS = ("fp32", "bf16", "int8+EF")
 PARTS = ("wire", "error", "converge", "slowlink")
@@ -107,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--layers", type=int, default=2)
     add("--heads", type=int, default=4)
     add("--lr", type=float, default=3e-3)
+    add("--optimizer", choices=("adamw", "sgd"), default="adamw",
+        help="the char GPT's optimizer: char_lm.py's AdamW (the issue's setting), or SGD with momentum 0.9 (same "
+             "clipping and schedule; a diagnostic of how error feedback interacts with the optimizer)")
     add("--warmup", type=int, default=30)
     add("--eval-batches", type=int, default=16)
     add("--error-after", type=int, default=20, help="fp32 steps before the gradient-error measurement")
@@ -153,7 +168,7 @@ def make_exchange(name: str) -> Any:
     text = FORMATS[name][0]
     if text is None:
         return None
-    return eval(f"pf.compress.{text}", {"pf": pf})  # noqa: S307 - our own constant table
+    return eval(f"pf.compress.{text}", {"pf": pf, **vars(pf.compress)})  # noqa: S307 - our own constant table
 
 
 def init_exchange_state(exchange: Any, params: Any) -> Any:
@@ -297,10 +312,21 @@ def _gpt_setup(a: argparse.Namespace) -> dict[str, Any]:
     config = gpt.GPTConfig(vocab=dataset.vocab_size, seq=a.seq, d_model=a.d_model, n_layers=a.layers,
                            n_heads=a.heads)
     opt_args = argparse.Namespace(steps=a.steps, warmup=a.warmup, lr=a.lr, clip=1.0, weight_decay=0.1)
+    opt = char_lm.make_optimizer(opt_args) if a.optimizer == "adamw" else sgd_optimizer(opt_args)
     val_stream = chardata.batches(dataset.val, a.batch, a.seq, seed=1)
-    return dict(mesh=mesh, dataset=dataset, config=config, opt=char_lm.make_optimizer(opt_args),
+    return dict(mesh=mesh, dataset=dataset, config=config, opt=opt,
                 val_batches=[next(val_stream) for _ in range(a.eval_batches)],
                 baseline=chardata.unigram_baseline(dataset.train, dataset.val, dataset.vocab_size))
+
+
+def sgd_optimizer(args: argparse.Namespace) -> Any:
+    """char_lm.py's optimizer with SGD + momentum 0.9 in place of AdamW: same clipping and warmup-cosine schedule."""
+    import pt3func as pf
+
+    warmup = min(args.warmup, args.steps // 5)
+    lr = pf.optim.warmup_cosine_decay(init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
+                                      decay_steps=max(args.steps, warmup + 1), end_value=0.1 * args.lr)
+    return pf.optim.chain(pf.optim.clip_by_global_norm(args.clip), pf.optim.sgd(lr, momentum=0.9))
 
 
 def _gpt_train_step(config: Any, opt: Any) -> Callable[..., Any]:
@@ -455,7 +481,7 @@ def gpt_worker(a: argparse.Namespace) -> dict[str, Any]:
     out["baseline"] = s["baseline"]
     out["config"] = dict(ranks=a.ranks, steps=a.steps, batch=a.batch, seq=a.seq, d_model=a.d_model,
                          layers=a.layers, heads=a.heads, lr=a.lr, warmup=a.warmup, eval_batches=a.eval_batches,
-                         error_after=a.error_after, backend=a.backend)
+                         error_after=a.error_after, backend=a.backend, optimizer=a.optimizer)
     return out
 
 

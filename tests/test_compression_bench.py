@@ -53,7 +53,8 @@ def test_slowlink_builds_rate_limited_links_and_always_cleans_up():
 def test_compression_smoke_wire_bytes(tmp_path):
     out = tmp_path / "compression.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compression.py"), "--smoke", "--parts", "wire",
-                    "--formats", "fp32,bf16,int8+EF", "--out", str(out)], check=True, cwd=ROOT, timeout=600)
+                    "--formats", "fp32,bf16,int8+EF,powersgd r4+warmup", "--out", str(out)], check=True, cwd=ROOT,
+                   timeout=600)
     result = json.loads(out.read_text())
     by_name = {r["format"]: r for r in result["records"]}
     assert [r["format"] for r in result["records"]][:3] == ["seed FP32", "seed FP16", "seed INT4"]
@@ -64,3 +65,9 @@ def test_compression_smoke_wire_bytes(tmp_path):
     # int8: a quarter plus fp32 scales per 256-element block and padding of each rank's chunk to a block.
     assert 0.25 < by_name["int8+EF"]["exchange_wire_vs_fp32"] < 0.35
     assert by_name["int8+EF"]["step_wire_vs_fp32"] < 1.0
+    # A dense warm-up is a program of its own: fp32 bytes up to step 30, PowerSGD's after; the smoke run's 4
+    # steps are all dense.
+    ps = by_name["powersgd r4+warmup"]
+    assert [p["start"] for p in ps["phases"]] == [0, 30]
+    assert ps["phases"][0]["wire_bytes"] == by_name["fp32"]["wire_bytes"] > ps["phases"][1]["wire_bytes"]
+    assert ps["exchange_wire_run_vs_fp32"] == 1.0 > ps["exchange_wire_vs_fp32"]
