@@ -23,8 +23,8 @@ from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
-from pt3func.passes.gather_cast import cast_before_gather
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
+from pt3func.passes.gather_cast import cast_before_gather
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
