@@ -73,6 +73,11 @@ def test_state_phase_follows_the_step_counter():
     with FakeTensorMode() as mode:
         t = mode.from_tensor(torch.tensor(5))
     assert exchange_state.host_step(t) is None
+    from pt3func.runtime.donated import invalidate
+
+    donated = torch.tensor(6)
+    invalidate(donated, "step")
+    assert exchange_state.host_step(donated) is None  # jit reports the donated argument itself
 
 
 def _step_graph(shape=(64, 32)):

@@ -80,13 +80,16 @@ class ExchangeState:
 
 
 def host_step(step: Any) -> int | None:
-    """The value of a step counter (tensor or DTensor) on the host; None for a traced (fake) one."""
+    """The value of a step counter (tensor or DTensor) on the host; None for a traced (fake) one, or one donated
+    to an earlier call (jit then says which argument it was)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if not isinstance(step, torch.Tensor) or is_fake(step):
+    from pt3func.runtime.donated import is_donated
+
+    if not isinstance(step, torch.Tensor) or is_donated(step) or is_fake(step):
         return None
     local = step._local_tensor if isinstance(step, DTensor) else step
-    if is_fake(local) or local.device.type == "meta":
+    if is_donated(local) or is_fake(local) or local.device.type == "meta":
         return None
     return int(local.item())
 
