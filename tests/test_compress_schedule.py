@@ -136,3 +136,27 @@ def test_momentum_correction_matches_dgc_step_by_step():
     r = run_world(2, cc.momentum_correction, 0.1, 0.9, 4)[0]
     assert max(r["errs"]) < 1e-6, r["errs"]
     assert min(r["sent_norms"]) > 0
+
+
+@pytest.mark.slow
+def test_dense_warm_up_on_a_virtual_mesh():
+    # The main thread sees VirtualArrays (no step to read): each rank thread picks its phase from its own counter.
+    mesh = pf.make_mesh((2,), ("dp",), virtual=True)
+    specs, batch_spec = cc.LAYOUTS["dp2"][2], cc.LAYOUTS["dp2"][3]
+    fmt = C.powersgd(4, dense_steps=2)
+    shardings = (specs, None, batch_spec, batch_spec)
+    with pf.set_mesh(mesh):
+        params = pf.device_put(cc.init_params(), specs)
+        ex = fmt.init(params)
+        step = pf.jit(cc.grad_step, in_shardings=shardings, grad_exchange=fmt, backend="eager", **cc._jit_kwargs())
+        exact_step = pf.jit(cc.grad_step, in_shardings=shardings, backend="eager")
+        sent, errs = [], []
+        for t in range(3):
+            sent.append(sum(step.lower(params, ex, *cc.batch(t)).cost_analysis()["comm_bytes"].values()))
+            exact = pf.device_get(exact_step(params, None, *cc.batch(t))[0])
+            grads, ex = step(params, ex, *cc.batch(t))
+            got = pf.device_get(grads)
+            errs.append(max(float((got[k] - exact[k]).abs().max()) for k in cc.NAMES))
+    assert sent[0] == sent[1] == 4 * (32 * 64 + 64 + 64 * 16) > sent[2]
+    assert errs[0] == errs[1] == 0.0 and errs[2] > 1e-4
+    assert int(pf.device_get(ex.step)) == 3 and ex.current_phase() == 2
