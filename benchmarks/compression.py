@@ -546,6 +546,53 @@ def _profile_breakdown(prof: Any, steps: int, wall_s: float) -> dict[str, Any]:
     return out
 
 
+def _collectives_alone(shapes: list[tuple[int, ...]], names: list[str], rounds: int) -> dict[str, float]:
+    """Milliseconds per step of each format's collectives alone (no compute, no codec): what gloo makes of the
+    bytes. Per leaf of `shapes`, fp32 is an all-reduce of the gradient; the codecs are the two-phase exchange's
+    all-to-all of `world` payload rows then all-gather of one (bf16: 2 bytes per element; int8: 1 byte plus an
+    fp32 scale per 256, each rank's chunk padded to a block), as `pf.compress` sends them. Round-robin, median."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+
+    def buffers(name: str) -> list[tuple[torch.Tensor, ...]]:
+        out = []
+        for shape in shapes:
+            n = math.prod(shape)
+            if name == "fp32":
+                out.append((torch.ones(n),))
+                continue
+            m = -(-n // world)
+            row = m * 2 if name == "bf16" else (-(-m // 256) * 256) * (1 + 4 / 256)
+            rows = torch.zeros(world, int(row), dtype=torch.uint8)
+            out.append((rows, torch.empty_like(rows), rows[:1].clone(), torch.empty_like(rows)))
+        return out
+
+    bufs = {name: buffers(name) for name in names}
+
+    def run(name: str) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for b in bufs[name]:
+            if name == "fp32":
+                dist.all_reduce(b[0])
+            else:
+                dist.all_to_all_single(b[1], b[0])
+                dist.all_gather_into_tensor(b[3], b[2])
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(1 + rounds):
+        for name in names:
+            t = run(name)
+            if i:
+                times[name].append(t)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
     """A wide MLP whose fp32 gradient exchange dwarfs its compute; per format the median time of a step.
 
@@ -608,7 +655,7 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
             ex_state = init_exchange_state(exchange, p)
             opt_state = pf.jit(opt.init, backend=a.slowlink_backend)(p)
             step = make_step(train_step, exchange, in_shardings=(specs, None, None, P("dp")),
-                             donate_argnums=(0, 1), backend=a.slowlink_backend)
+                             donate_argnums=(0, 1), backend=a.slowlink_backend, **no_guard())
             comm = wire_bytes(step.lower(p, opt_state, ex_state, batch), n)["total"]
             runs[name] = dict(step=step, state=(p, opt_state, ex_state), wire_bytes=comm, losses=[])
 
@@ -636,6 +683,11 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
             say(f"slow link {name}: {med * 1e3:.1f} ms/step, {runs[name]['wire_bytes'] / 2**20:.2f} MiB sent per "
                 f"rank", flush=True)
 
+        alone = _collectives_alone([tuple(t.shape) for t in pf.tree.leaves(params)], names, 3 if a.smoke else 10)
+        for name, ms in alone.items():
+            out["formats"][name]["collectives_alone_ms"] = ms
+        say("slow link collectives alone: " + ", ".join(f"{k} {v:.1f} ms" for k, v in alone.items()), flush=True)
+
         if a.slowlink_profile > 0:
             from torch.profiler import ProfilerActivity, profile
 
@@ -651,6 +703,7 @@ def slowlink_worker(a: argparse.Namespace) -> dict[str, Any]:
     out["config"] = dict(ranks=n, width=width, layers=layers, batch_per_rank=a.mlp_batch, params=n_params,
                          steps=a.slowlink_steps, optimizer="sgd(momentum=0.9)", backend=a.slowlink_backend,
                          timing="round-robin over formats", threads=torch.get_num_threads(),
+                         exchange_guard="off" if no_guard() else "not in pf.jit",
                          profile_steps=a.slowlink_profile)
     return out
 
