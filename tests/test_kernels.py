@@ -389,10 +389,6 @@ def test_cuda_ops_match_the_cpu_reference(bits):
                                                                    torch.bfloat16))
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
-    _interpreter_main()
-
-
 def test_cpu_lowering_is_not_in_inductors_global_table():
     """A CUDA program makes the ops Inductor fallbacks (the Triton launchers), which Inductor refuses for an op
     that also has a global decomposition ("both a fallback and a decomp for same op", seen on the H200): the
@@ -446,3 +442,7 @@ def test_compressed_exchange_compiled_on_cpu_equals_eager(fmt):
     assert len(results["eager"]) == len(results["inductor"]) >= 6  # 2 gradients, their residuals and server's
     for want, got in zip(results["eager"], results["inductor"]):
         assert torch.equal(want, got)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    _interpreter_main()

@@ -1,7 +1,8 @@
 """Blockwise int8 / int4 quantisation kernels for compressed gradient exchange.
 
 `quantize_blockwise` and `dequantize_blockwise` are torch custom ops (`torch.ops.pt3func.*`): one node each in a
-traced program, Triton kernels on CUDA, the torch reference (`pt3func.kernels.reference`) elsewhere. The format
+traced program, Triton kernels on CUDA, the torch reference (`pt3func.kernels.reference`) elsewhere; a CPU program
+that pf.jit compiles with Inductor gets the reference's aten ops instead, fused into C++ loops (`ops.py`). The format
 (padding, scales, int4 nibble order, the hash that drives stochastic rounding) is documented in `reference.py`.
 """
 
