@@ -2,6 +2,7 @@
 
     sudo python benchmarks/netns/slowlink.py -n 4 --rate 1gbit             # build, probe, tear down
     sudo python benchmarks/netns/slowlink.py -n 4 -- python my_rank.py    # run one command per rank
+    sudo python benchmarks/netns/slowlink.py -n 2 --collectives           # gloo collectives by message size
 
 Each rank K lives in its own namespace `<prefix>-K` with one veth end (`veth0`, address 10.213.0.K+1); the
 other ends sit in a bridge inside a "switch" namespace `<prefix>-sw`. A `tbf` qdisc limits both directions
@@ -218,6 +219,52 @@ def probe_main(mib: int = 64, repeats: int = 3) -> dict[str, float]:
     return result
 
 
+
+def collectives_main(sizes_mib: Sequence[float] = (0.004, 0.5, 4, 16), repeats: int = 7) -> dict[float, dict]:
+    """On every rank: median time of a gloo all-reduce (fp32), all-to-all and all-gather (bytes) per buffer size,
+    against the line rate; what the compressed exchange's collectives cost by message size (rank 0 prints)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+
+    def timed(fn: Any, *args: Any) -> float:
+        fn(*args)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    out: dict[float, dict] = {}
+    for mib in sizes_mib:
+        nbytes = int(mib * 2**20) // (4 * n) * 4 * n
+        x = torch.ones(nbytes // 4)
+        rows = torch.zeros(n, nbytes // n, dtype=torch.uint8)
+        got = torch.empty_like(rows)
+        mine = torch.zeros(nbytes // n, dtype=torch.uint8)
+        gathered = torch.empty(nbytes, dtype=torch.uint8)
+        line = (n - 1) / n * nbytes * 8 / 1e9  # seconds each rank's link needs for its share, at 1 Gbit/s
+        out[mib] = dict(
+            all_reduce_ms=timed(dist.all_reduce, x) * 1e3,
+            all_to_all_ms=timed(dist.all_to_all_single, got, rows) * 1e3,
+            all_gather_ms=timed(dist.all_gather_into_tensor, gathered, mine) * 1e3,
+            line_1gbit_ms=line * 1e3,
+        )
+        if rank == 0:
+            r = out[mib]
+            print(f"slowlink collectives, {mib:g} MiB buffer over {n} ranks: all_reduce {r['all_reduce_ms']:.2f} ms, "
+                  f"all_to_all {r['all_to_all_ms']:.2f} ms, all_gather {r['all_gather_ms']:.2f} ms; (n-1)/n of the "
+                  f"buffer at 1 Gbit/s: {r['line_1gbit_ms']:.2f} ms (a ring all-reduce sends twice that)", flush=True)
+    dist.destroy_process_group()
+    return out
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=4, help="ranks")
@@ -227,18 +274,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=29600)
     p.add_argument("--mib", type=int, default=64, help="probe buffer size")
     p.add_argument("--clean", action="store_true", help="only delete namespaces left by a killed run")
+    p.add_argument("--collectives", action="store_true",
+                   help="instead of the probe: time all-reduce, all-to-all and all-gather at 4 KiB - 16 MiB")
     p.add_argument("--probe-rank", action="store_true", help=argparse.SUPPRESS)  # the per-rank side of the probe
+    p.add_argument("--collectives-rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- command to run on every rank (default: probe)")
     a = p.parse_args(argv)
     if a.probe_rank:
         probe_main(a.mib)
+        return 0
+    if a.collectives_rank:
+        collectives_main()
         return 0
     if a.clean:
         print(f"removed: {remove() or 'nothing'}")
         return 0
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
-        command = [sys.executable, os.path.abspath(__file__), "--probe-rank", "--mib", str(a.mib)]
+        rank_side = ["--collectives-rank"] if a.collectives else ["--probe-rank", "--mib", str(a.mib)]
+        command = [sys.executable, os.path.abspath(__file__), *rank_side]
     with SlowLink(a.n, a.rate, a.burst, delay=a.delay) as net:
         print(f"slowlink: {net.describe()}", flush=True)
         codes = wait_all(net.launch(command, port=a.port))
