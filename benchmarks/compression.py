@@ -525,12 +525,17 @@ STEP_MARK = "slowlink step"  # a profiler range around each step, in the thread 
 
 def _profile_breakdown(prof: Any, steps: int, wall_s: float) -> dict[str, Any]:
     """Milliseconds per step by `PROFILE_CATEGORIES`; "host, other" is the step's wall time not in any event
-    (pf.jit's Python dispatch, the Inductor wrapper). Events of other threads (gloo's) are left out."""
-    main = {evt.thread for evt in prof.events() if evt.name == STEP_MARK}
+    (pf.jit's Python dispatch, the Inductor wrapper). Only events inside a `STEP_MARK` range of its thread count
+    (not the barrier before each step, nor other threads' events)."""
+    marks = [(evt.thread, evt.time_range.start, evt.time_range.end) for evt in prof.events() if evt.name == STEP_MARK]
+
+    def in_step(evt: Any) -> bool:
+        return any(evt.thread == t and start <= evt.time_range.start <= end for t, start, end in marks)
+
     per: dict[str, float] = {name: 0.0 for name, _ in PROFILE_CATEGORIES}
     events: dict[str, float] = {}
     for evt in prof.events():
-        if evt.thread not in main or evt.name == STEP_MARK or "barrier" in evt.name:
+        if evt.name == STEP_MARK or not in_step(evt):
             continue
         us = evt.self_cpu_time_total
         events[evt.name] = events.get(evt.name, 0.0) + us
