@@ -33,7 +33,7 @@ table (its numbers are from a blog, not measured here). Columns, per format:
   (benchmarks/netns/slowlink.py; needs root), and its speed-up over fp32. The model is a wide MLP
   (`--mlp-layers` x `--mlp-width`, 4 x 1024: 4.2 M params, 16 MiB of fp32 gradient) on `--mlp-batch` 8 rows per
   rank: its forward and backward are ~0.2 GFLOP a step (~10-15 ms on one core), while an fp32 all-reduce of
-  16 MiB over 1 Gbit/s takes ~135 ms with 2 ranks, so the exchange is ~85% of the fp32 step (the profile
+  16 MiB over 1 Gbit/s takes ~135 ms with 2 ranks, so the exchange is ~90% of the fp32 step (the profile
   below measures it). By default 2 ranks, one per core of the 2-core machine this was built on (4 ranks share
   the cores and time each other's host work). The steps of all formats are compiled first and timed
   round-robin, then profiled (`--slowlink-profile` steps each, torch.profiler): milliseconds per step waiting
