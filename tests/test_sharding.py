@@ -238,3 +238,23 @@ def test_2x2_mesh_on_gloo():
     text = run_world(4, _mesh_2x2_world)[0]
     for rank in range(4):
         assert f"rank {rank}" in text and f"[{2 * rank}:{2 * rank + 2}, 0:8]" in text
+
+
+def test_world_started_by_pt3func_is_destroyed_at_exit():
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, torch.distributed as dist, pt3func as pf\n"
+        "from pt3func.sharding import mesh\n"
+        "hooks = []\n"
+        "atexit.register = hooks.append\n"
+        "pf.make_mesh((1,), ('dp',))\n"
+        "assert dist.is_initialized() and mesh._shutdown_world in hooks\n"
+        "mesh._shutdown_world()\n"
+        "assert not dist.is_initialized()\n"
+        "mesh._shutdown_world()  # a user's own destroy_process_group before exit leaves nothing to do\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr

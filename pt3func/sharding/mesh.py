@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
@@ -139,6 +140,16 @@ def _ensure_world(timeout: timedelta) -> None:
     else:
         # No launcher: a single rank needs no rendezvous, so an in-memory store is enough.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # pt3func started the world, so it ends it: left to interpreter teardown, gloo's worker threads can still
+    # hold work objects whose destruction aborts the process ("terminate called without an active exception",
+    # pytorch/pytorch#190489), seen as a rare exit status -6 of a finished 2-rank run.
+    atexit.register(_shutdown_world)
+
+
+def _shutdown_world() -> None:
+    """Destroy the default process group at exit if it is still there (a no-op after the user's own call)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _default_device_type() -> str:
