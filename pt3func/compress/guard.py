@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import fx
 
 from pt3func.compress.formats import Cast, Format, NoCompression, SkipSmall, bf16
+from pt3func.passes import replace_outputs
 
 log = logging.getLogger("pt3func.jit")
 
@@ -176,10 +177,7 @@ def forward_unchanged_inputs(gm: fx.GraphModule) -> fx.GraphModule:
             outs[j] = source
             changed = True
     if changed:
-        output.args = (type(output.args[0])(outs),)
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        replace_outputs(gm, outs)
     return gm
 
 

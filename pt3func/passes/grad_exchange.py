@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from pt3func import analysis, tree
 from pt3func.compress.formats import Format, Reduction, leaf_seed
 from pt3func.compress.state import ExchangeState, LeafState, is_leaf_state, is_state
+from pt3func.passes import replace_outputs
 from pt3func.spmd.lower import GRAD_OF
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -195,10 +196,7 @@ def rewrite(
         outs[binding.step_out] = new_step
         changed = True
     if changed:
-        output_node.args = (type(output_node.args[0])(outs),)
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        replace_outputs(gm, outs)
     return gm
 
 
