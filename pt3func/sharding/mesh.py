@@ -147,9 +147,22 @@ def _ensure_world(timeout: timedelta) -> None:
 
 
 def _shutdown_world() -> None:
-    """Destroy the default process group at exit if it is still there (a no-op after the user's own call)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the default process group at exit if it is still there (a no-op after the user's own call).
+
+    On gloo every rank first waits for the others (a monitored barrier, so a rank that is gone is an error, not a
+    hang): a rank that tears its connections down while a peer still completes the last collective makes that
+    peer's gloo thread abort the process. Not after an uncaught exception: the peers may be stuck elsewhere.
+    """
+    import sys
+
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1 and getattr(sys, "last_value", None) is None:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        except RuntimeError:
+            pass  # a peer did not arrive: tear down anyway
+    dist.destroy_process_group()
 
 
 def _default_device_type() -> str:
