@@ -211,15 +211,17 @@ def test_stochastic_rounding_is_unbiased(bits):
     assert rtn_bias.mean() > 0.15
 
 
-def test_hash_matches_plain_python_and_is_uniform():
-    def lowbias32(h: int) -> int:
-        m = 0xFFFFFFFF
-        h ^= h >> 16
-        h = (h * reference.MIX1) & m
-        h ^= h >> 15
-        h = (h * reference.MIX2) & m
-        return h ^ (h >> 16)
+def lowbias32(h: int) -> int:
+    """The reference's 32-bit hash in plain Python integers, to check the tensor version against."""
+    m = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * reference.MIX1) & m
+    h ^= h >> 15
+    h = (h * reference.MIX2) & m
+    return h ^ (h >> 16)
 
+
+def test_hash_matches_plain_python_and_is_uniform():
     seed = 2**40 + 12345  # only the low 32 bits count
     u = reference.uniform_hash(torch.tensor(seed), 1 << 16)
     sh = lowbias32(seed & 0xFFFFFFFF)
@@ -235,14 +237,6 @@ def test_hash_matches_plain_python_and_is_uniform():
 
 
 def test_dither_matches_plain_python_and_is_symmetric():
-    def lowbias32(h: int) -> int:
-        m = 0xFFFFFFFF
-        h ^= h >> 16
-        h = (h * reference.MIX1) & m
-        h ^= h >> 15
-        h = (h * reference.MIX2) & m
-        return h ^ (h >> 16)
-
     seed = -3  # two's complement: low 32 bits
     w = reference.dither(torch.tensor(seed), 1 << 16)
     sh = lowbias32(seed & 0xFFFFFFFF)
