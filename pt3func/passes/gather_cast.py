@@ -41,7 +41,6 @@ def cast_before_gather(gm: fx.GraphModule) -> fx.GraphModule:
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes])
     changed = False
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    last_placeholder = placeholders[-1] if placeholders else None
     for gather in list(graph.nodes):
         if gather.target is not _GATHER or not is_collective(gather):
             continue
@@ -58,7 +57,7 @@ def cast_before_gather(gm: fx.GraphModule) -> fx.GraphModule:
         if low is None or not (low.is_floating_point and high.is_floating_point) or low.itemsize >= high.itemsize:
             continue
         # Right where the shard exists (after the last input, for an input), so the gather can be issued early.
-        anchor = last_placeholder if source.op == "placeholder" and last_placeholder is not None else source
+        anchor = placeholders[-1] if source.op == "placeholder" else source
         with graph.inserting_after(anchor):
             cast = graph.call_function(_CONVERT, (source, low))
         with fake_mode:
