@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,6 +119,12 @@ def parse_args() -> argparse.Namespace:
         metavar="TRACE.json",
         help="after timing, profile 3 steps: print kernel time by kind and exposed NCCL time (rank 0), add "
         "them to the record, write the chrome trace here",
+    )
+    p.add_argument(
+        "--dump-code",
+        default=None,
+        help="write the Inductor program the step ran (Compiled.generated_code()) to this file, and print the "
+        "largest buffers live at its memory peak",
     )
     p.add_argument("--out", default=None, help="JSONL file to append the record to (default: results/lm_step_*)")
     # Memory (benchmarks/memory.py runs this script with these).
@@ -362,6 +369,8 @@ def main() -> None:
     trace_s = time.perf_counter() - start
     memory, cost = lowered.memory_analysis(), lowered.cost_analysis()
     compiled_memory = lowered.compile().memory_analysis()  # the program the calls ran: not compiled again
+    if a.dump_code and rank == 0:
+        dump_program(lowered.compile().generated_code(), a.dump_code, device.type)
 
     med = statistics.median(times[3:])
     record = dict(
@@ -418,6 +427,22 @@ def main() -> None:
     )
     out = a.out or RESULTS / f"lm_step_{_device_slug(device)}.jsonl"
     print(f"appended to {append_jsonl(out, record)}")
+
+
+def dump_program(code: str | None, path: str, device_type: str) -> None:
+    """Write the generated program to `path` and print what it holds at its peak (largest first)."""
+    from pt3func.runtime.inductor_memory import wrapper_memory
+
+    if code is None:
+        print("no generated program (eager backend)")
+        return
+    Path(path).write_text(code)
+    replay = wrapper_memory(code, device_type)
+    if replay is None:
+        return
+    print(f"program peak {replay.peak_bytes / 2**30:.3g} GiB beyond its arguments, at: {replay.peak_statement[:160]}")
+    for name, size in replay.live_at_peak[:25]:
+        print(f"  {name:>12} {size / 2**20:10.1f} MiB")
 
 
 def _hold(path: str | None) -> Any:

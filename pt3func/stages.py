@@ -174,6 +174,11 @@ class Compiled:
     def as_text(self) -> str:
         return self.lowered.as_text()
 
+    def generated_code(self) -> str | None:
+        """The Python program Inductor generated for this step (kernel launches, allocations, frees), as
+        `TORCH_LOGS=output_code` would print it; None for the eager backend."""
+        return self._wrapper_source
+
     def cost_analysis(self) -> dict[str, Any]:
         return self.lowered.cost_analysis()
 

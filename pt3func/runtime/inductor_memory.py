@@ -49,6 +49,8 @@ class WrapperMemory:
     output_bytes: int  # bytes of the new (not input-aliased) storages it returns
     peak_statement: str  # the statement at which the peak was reached
     unsized: list[str] = field(default_factory=list)  # buffers returned by kernels with no size assertion
+    # (buffer name, bytes) of every storage the program holds at its peak, largest first: what to attack
+    live_at_peak: list[tuple[str, int]] = field(default_factory=list)
 
 
 def wrapper_memory(
@@ -85,17 +87,20 @@ def wrapper_memory(
     names: dict[str, list[int]] = {}  # name -> storage ids it keeps alive
     refs: dict[int, int] = {}  # storage id -> number of names holding it
     nbytes: dict[int, int] = {}
+    first_name: dict[int, str] = {}  # storage id -> the name it was allocated under
     live = peak = 0
+    live_at_peak: list[tuple[str, int]] = []
     peak_stmt = ""
     unsized: list[str] = []
     returned: set[int] = set()
     element_storage: dict[str, int] = {}  # tuple element name -> its storage, allocated with the tuple
     round_to = _ROUND.get(device_type, 1)
 
-    def allocate(size: int) -> int:
+    def allocate(size: int, name: str) -> int:
         nonlocal live
         sid = len(nbytes)
         nbytes[sid] = size
+        first_name[sid] = name
         refs[sid] = 0
         live += size
         return sid
@@ -134,7 +139,7 @@ def wrapper_memory(
             if storage is None:
                 unsized.append(target)
                 storage = 0
-            bind(target, [allocate(storage)])
+            bind(target, [allocate(storage, target)])
         elif (r := _REINTERPRET.match(value)) is not None or _NAME.match(value):
             source_name = r.group(1) if r else value
             if source_name in names:
@@ -155,22 +160,24 @@ def wrapper_memory(
             if outs is None:  # one tensor
                 storage = _storage_for(target, sizes, dtype, round_to, unsized)
                 dtypes[target] = dtype
-                bind(target, [allocate(storage)])
+                bind(target, [allocate(storage, target)])
             else:  # a tuple: allocate each element the wrapper takes out of it, here, where the kernel runs
                 fp32 = _FP32_OUTPUTS.get(op.group(1).split(".")[-2], set())
                 sids = []
                 for name, index in outs:
                     edtype = torch.float32 if index in fp32 else dtype
                     dtypes[name] = edtype
-                    element_storage[name] = allocate(_storage_for(name, sizes, edtype, round_to, unsized))
+                    element_storage[name] = allocate(_storage_for(name, sizes, edtype, round_to, unsized), name)
                     sids.append(element_storage[name])
                 bind(target, sids)
         else:
             continue
         if live > peak:
             peak, peak_stmt = live, stmt
+            live_at_peak = [(first_name[sid], nbytes[sid]) for sid, count in refs.items() if count > 0]
     output_bytes = sum(nbytes[sid] for sid in returned)
-    return WrapperMemory(peak, output_bytes, peak_stmt, unsized)
+    live_at_peak.sort(key=lambda item: -item[1])
+    return WrapperMemory(peak, output_bytes, peak_stmt, unsized, live_at_peak)
 
 
 def _call_body(source: str) -> list[str] | None:
