@@ -61,6 +61,54 @@ INTERPRETER_CASES = {
     }.items()
 }
 
+# The pair kernels (words of two elements; the default for int4) and the element kernels (the default for int8)
+# each on the other width too, with `pairs` forced: both must give the reference's bits wherever they run.
+# "misaligned" views start at an odd element (`offset`), where the default must fall back to the element kernel.
+INTERPRETER_CASES.update({
+    f"{bits}bit-pairs-{name}": dict(bits=bits, pairs=True, **kw)
+    for bits in (8, 4)
+    for name, kw in {
+        "fp32-padded": dict(n=1000, block=64),
+        "fp32-ef-block100": dict(n=1000, block=100, residual=True),  # HALF 64 words, 50 in the block: masks
+        "bf16-ef": dict(n=998, block=100, dtype="bfloat16", residual=True),
+        "fp16-stochastic-small-programs": dict(n=334, block=32, dtype="float16", stochastic=True, seed=77,
+                                               elems_per_program=64),
+        "even-tiles": dict(n=2048, block=64, elems_per_program=512),
+        "even-tiles-stochastic-ef": dict(n=2048, block=64, residual=True, stochastic=True, seed=5,
+                                         elems_per_program=256),
+        "even-tiles-bf16-stochastic": dict(n=4096, block=128, dtype="bfloat16", stochastic=True, seed=3,
+                                           elems_per_program=1024),
+        "even-tiles-fp16-ef": dict(n=1024, block=256, dtype="float16", residual=True, elems_per_program=512),
+        "block-2": dict(n=100, block=2, elems_per_program=16),  # one word per block (elements 40+ non-zero)
+        "non-finite-ef": dict(n=300, block=40, special="non-finite", residual=True),
+        "ties": dict(n=300, block=80, special=f"ties{reference.QMAX[bits]}"),
+        "tiny-absmax": dict(n=300, block=40, special="tiny"),
+        "overshoot-stochastic": dict(n=512, block=64, special="overshoot", stochastic=True, seed=93),
+    }.items()
+})
+INTERPRETER_CASES.update({
+    f"4bit-elements-{name}": dict(bits=4, pairs=False, **kw)
+    for name, kw in {
+        "fp32-padded": dict(n=1000, block=64),
+        "fp32-ef": dict(n=1000, block=64, residual=True),
+        "bf16-ef-block100": dict(n=998, block=100, dtype="bfloat16", residual=True),
+        "stochastic": dict(n=1000, block=64, stochastic=True, seed=123456789012),
+        "even-tiles-stochastic-ef": dict(n=2048, block=64, residual=True, stochastic=True, seed=5,
+                                         elems_per_program=256),
+        "non-finite-ef": dict(n=300, block=40, special="non-finite", residual=True),
+        "ties": dict(n=300, block=80, special="ties7"),
+    }.items()
+})
+INTERPRETER_CASES.update({
+    f"{bits}bit-misaligned-{name}": dict(bits=bits, **kw)
+    for bits in (8, 4)
+    for name, kw in {
+        "x": dict(n=640, block=64, offset=1, stochastic=True, seed=8),
+        "bf16-x-ef": dict(n=640, block=64, dtype="bfloat16", offset=1, residual=True),
+        "residual": dict(n=640, block=64, residual=True, residual_offset=1),
+    }.items()
+})
+
 
 def _same(w: torch.Tensor, g: torch.Tensor) -> bool:
     """Equal dtype, shape and values, NaN matching NaN (a NaN's sign and payload differ between CPUs and GPUs)."""
@@ -71,15 +119,23 @@ def _same(w: torch.Tensor, g: torch.Tensor) -> bool:
 
 def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", residual: bool = False,
                       stochastic: bool = False, seed: int = 0, special: str = "",
-                      elems_per_program: int | None = None) -> str:
-    """Empty string if the Triton kernels reproduce the reference exactly, else what differs."""
+                      elems_per_program: int | None = None, pairs: bool | None = None, offset: int = 0,
+                      residual_offset: int = 0) -> str:
+    """Empty string if the Triton kernels reproduce the reference exactly, else what differs. `pairs` picks the
+    kernel (None: the default); `offset` / `residual_offset` make x / the residual views starting that many
+    elements into a larger buffer."""
     from pt3func.kernels import triton_quant
 
     x = _case_input(n, getattr(torch, dtype), special)
+    if offset:
+        x = torch.cat([x.new_zeros(offset), x])[offset:]
     r = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.05 if residual else None
+    if r is not None and residual_offset:
+        r = torch.cat([r.new_zeros(residual_offset), r])[residual_offset:]
     s = torch.tensor(seed) if stochastic else None
     want = reference.quantize_blockwise(x, bits, block, r, stochastic, s)
-    got = triton_quant.quantize_blockwise(x, bits, block, r, stochastic, s, elems_per_program=elems_per_program)
+    got = triton_quant.quantize_blockwise(x, bits, block, r, stochastic, s, elems_per_program=elems_per_program,
+                                          pairs=pairs)
     errors = []
     for name, w, g in zip(("q", "scales", "new_residual"), want, got):
         if (w is None) != (g is None) or (w is not None and not _same(w, g)):
@@ -87,7 +143,7 @@ def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", res
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         w = reference.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype)
         g = triton_quant.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype,
-                                              elems_per_program=elems_per_program)
+                                              elems_per_program=elems_per_program, pairs=pairs)
         if not _same(w, g):
             errors.append(f"dequantised {out_dtype} differs")
     return "; ".join(errors)
@@ -97,8 +153,42 @@ def _interpreter_main() -> None:
     import warnings
 
     warnings.simplefilter("ignore")  # numpy warns on the all-zero block's qmax / 0 (clamped to FLT_MAX)
-    results = {name: _interpreter_case(**kw) for name, kw in INTERPRETER_CASES.items()}
+    results = {}
+    for name, kw in INTERPRETER_CASES.items():
+        try:
+            results[name] = _interpreter_case(**kw)
+        except Exception as e:  # one case failing must not hide the others
+            results[name] = f"raised {type(e).__name__}: {e}"
+    results["pair kernel refusals"] = _pair_refusals()
     print("RESULTS " + json.dumps(results))
+
+
+def _pair_refusals() -> str:
+    """The buffers `pairs=True` must refuse with a ValueError (the default falls back on them): which it did not."""
+    from pt3func.kernels import triton_quant
+
+    q, s, _ = reference.quantize_blockwise(torch.randn(64), 4, 64)
+    q8, s8, _ = reference.quantize_blockwise(torch.randn(128), 8, 64)
+    cases = {
+        "x at an odd offset": lambda: triton_quant.quantize_blockwise(torch.randn(129)[1:], 4, 64, pairs=True),
+        "residual at an odd offset": lambda: triton_quant.quantize_blockwise(
+            torch.randn(128), 4, 64, torch.randn(129)[1:], pairs=True),
+        "odd length": lambda: triton_quant.quantize_blockwise(torch.randn(127), 4, 64, pairs=True),
+        "odd block": lambda: triton_quant.quantize_blockwise(torch.randn(74), 8, 37, pairs=True),
+        "float64 input": lambda: triton_quant.quantize_blockwise(torch.randn(64, dtype=torch.float64), 4, 64,
+                                                                 pairs=True),
+        "dequantise to an odd length": lambda: triton_quant.dequantize_blockwise(q, s, 4, 64, 63, pairs=True),
+        "int8 q at an odd offset": lambda: triton_quant.dequantize_blockwise(
+            torch.cat([q8.new_zeros(1), q8])[1:], s8, 8, 64, 128, pairs=True),
+    }
+    missed = []
+    for name, call in cases.items():
+        try:
+            call()
+            missed.append(name)
+        except ValueError:
+            pass
+    return "; ".join(missed)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +206,10 @@ def interpreter_results() -> dict[str, str]:
 @pytest.mark.parametrize("case", sorted(INTERPRETER_CASES))
 def test_triton_kernels_match_reference_bit_for_bit(interpreter_results, case):
     assert interpreter_results[case] == ""
+
+
+def test_pair_kernels_refuse_buffers_they_cannot_read(interpreter_results):
+    assert interpreter_results["pair kernel refusals"] == ""
 
 
 # ---------------------------------------------------------------------------------------------------------------

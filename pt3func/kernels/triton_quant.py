@@ -2,7 +2,14 @@
 
 One program handles `BPP` consecutive blocks as a `(BPP, WIDTH)` tile (WIDTH: the block rounded up to a power of
 two; contiguous rows, so loads vectorise). Quantise reads `x` (and the residual) once and writes `q`, the scales and
-the new residual in the same pass; int4 pairs neighbouring elements by viewing the tile as `(BPP, WIDTH // 2, 2)`.
+the new residual in the same pass. Two kernels do this:
+- the pair kernels (`_quantize_pairs_kernel`, `_dequantize_pairs_kernel`; even blocks and lengths, word-aligned
+  buffers) read and write words holding two neighbouring elements (fp32 pairs as int64, bf16 / fp16 pairs as
+  int32), so an int4 byte, a dither hash and a word are the same tile element: `(BPP, WIDTH // 2)` words, no
+  reshape, split or join (which cost shared-memory round trips on sm_90). The default for int4;
+- the element kernels (`_quantize_kernel`, `_dequantize_kernel`) take everything else (odd blocks or lengths,
+  views at an odd offset, other input dtypes) and are the default for int8, where pairs save nothing; int4 pairs
+  there by viewing the tile as `(BPP, WIDTH // 2, 2)`.
 
 Bit-exactness with the reference rests on doing the same IEEE fp32 operations in the same order:
 - the two divisions per block use `div_rn` (Triton's `/` is an approximate division on NVIDIA GPUs);
@@ -33,27 +40,31 @@ _GOLDEN = tl.constexpr(reference.GOLDEN)
 _FLT_MAX = tl.constexpr(reference.FLT_MAX)
 _DITHER_SHIFT = tl.constexpr(1.5 - 2.0**-17)  # (1 + b * 2**-16) - this = (b + 1/2) * 2**-16 - 1/2, exactly
 
-# (elements per program, warps) when the caller does not pick, per kernel: the best of benchmarks/quant_kernels.py's
-# sweep over 64 MiB - 1 GiB on an H200 (results/quant_kernels_h200_run2.json). Kernels that write little per
-# element (int4, no residual) want more elements per thread.
+# (elements per program, warps, pair kernel) when the caller does not pick, per kernel. Element kernels: the best
+# of benchmarks/quant_kernels.py's sweep over 64 MiB - 1 GiB on an H200 (results/quant_kernels_h200_run2.json);
+# kernels that write little per element (int4, no residual) want more elements per thread. The pair kernels
+# (int4) were chosen from the sm_90 code Triton generates (no shared memory, half the instructions per element
+# of the element kernels for int4 quantise), not yet measured on the GPU.
 _CONFIGS = {
-    "quantise+ef": (1024, 2),
-    "int8 quantise": (1024, 4),
-    "int8 stochastic": (8192, 4),
-    "int4 quantise": (2048, 2),
-    "int4 stochastic": (2048, 2),
-    "int8 dequantise": (1024, 4),
-    "int4 dequantise": (1024, 4),
+    "int8 quantise+ef": (1024, 2, False),
+    "int4 quantise+ef": (1024, 2, True),
+    "int8 quantise": (1024, 4, False),
+    "int8 stochastic": (8192, 4, False),
+    "int4 quantise": (2048, 2, True),
+    "int4 stochastic": (2048, 2, True),
+    "int8 dequantise": (1024, 4, False),
+    "int4 dequantise": (1024, 4, False),
 }
 
 
 def default_config(bits: int, *, residual: bool = False, stochastic: bool = False,
-                   dequantise: bool = False) -> tuple[int, int]:
-    """The (elements per program, num_warps) a call uses unless it passes its own."""
+                   dequantise: bool = False) -> tuple[int, int, bool]:
+    """The (elements per program, num_warps, pair kernel) a call uses unless it passes its own; the pair kernel
+    only where the buffers allow it (see `quantize_blockwise`)."""
     if dequantise:
         return _CONFIGS[f"int{bits} dequantise"]
     if residual:
-        return _CONFIGS["quantise+ef"]
+        return _CONFIGS[f"int{bits} quantise+ef"]
     return _CONFIGS[f"int{bits} {'stochastic' if stochastic else 'quantise'}"]
 
 
@@ -67,12 +78,18 @@ def _lowbias32(h):
 
 
 @triton.jit
-def _to_bf16(v):
-    """fp32 -> bf16 rounding to nearest even, in integer ops: the interpreter's float cast rounds differently."""
+def _bf16_bits(v):
+    """fp32 -> bf16 rounding to nearest even, in integer ops (the interpreter's float cast rounds differently):
+    the bf16 bit pattern in the low 16 bits of a uint32."""
     bits = v.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     bits = tl.where(v != v, 0x7FC00000, bits)  # keep NaN a NaN (the carry could turn it into inf)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return bits >> 16
+
+
+@triton.jit
+def _to_bf16(v):
+    return _bf16_bits(v).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -210,6 +227,134 @@ def _dequantize_kernel(
         tl.store(out_ptr + offs, out, mask=valid)
 
 
+# The pair kernels: the same computation on words that each hold two neighbouring elements (2j, 2j + 1), the
+# int4 nibble pair (and the dither pair) of byte j. The wrappers view fp32 buffers as int64 and bf16 / fp16 ones as
+# int32, so no kernel reshapes, splits or joins a tile: on sm_90 those became shared-memory round trips with
+# barriers (the layout of the (rows, pairs, 2) view differs from that of the loads), and int4 stored one byte per
+# instruction. Here a tile is (BPP, WIDTH // 2) words, one row per block; every load and store is a contiguous
+# run of words and the even / odd elements are the low / high halves of a word (register moves, no shuffles).
+
+
+@triton.jit
+def _unpack_words(w, XKIND: tl.constexpr):
+    """The (even, odd) elements of words `w` as fp32: int64 words of two fp32 (XKIND 0), int32 words of two bf16
+    (1) or two fp16 (2). All exact (bf16 -> fp32 is a shift, fp16 -> fp32 a conversion without rounding)."""
+    if XKIND == 0:
+        lo = w.to(tl.int32).to(tl.float32, bitcast=True)  # int64 -> int32 keeps the low word
+        hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    elif XKIND == 1:
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _pack_fp32(lo, hi):
+    """Two fp32 tensors as int64 words, `lo` in the low half (the little-endian layout of fp32 pairs)."""
+    return (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lo.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _quantize_pairs_kernel(
+    xw_ptr, rw_ptr, seed_ptr, q_ptr, s_ptr, nrw_ptr, nwords, nblocks,
+    BLOCK: tl.constexpr, HALF: tl.constexpr, BPP: tl.constexpr, QMAX: tl.constexpr,
+    INT4: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr,
+    MAGIC: tl.constexpr, XKIND: tl.constexpr,
+):
+    """`_quantize_kernel` on words of two elements (see above): x as words of XKIND, residual and new residual as
+    int64 words of two fp32, q as one uint8 (int4) or int16 (int8: two int8) per word; BLOCK is even and
+    HALF = next_power_of_2(BLOCK) // 2. The IEEE operations per element are those of `_quantize_kernel`."""
+    rows, offs, in_block = _tile(tl.program_id(0), BLOCK // 2, HALF, BPP, WIDE)  # offs: word = pair index
+    if EVEN:
+        x_lo, x_hi = _unpack_words(tl.load(xw_ptr + offs), XKIND)
+        if HAS_RES:
+            r_lo, r_hi = _unpack_words(tl.load(rw_ptr + offs), 0)
+    else:
+        valid = in_block & (offs < nwords)
+        x_lo, x_hi = _unpack_words(tl.load(xw_ptr + offs, mask=valid, other=0), XKIND)
+        if HAS_RES:
+            r_lo, r_hi = _unpack_words(tl.load(rw_ptr + offs, mask=valid, other=0), 0)
+    if HAS_RES:
+        x_lo = x_lo + r_lo
+        x_hi = x_hi + r_hi
+    absmax = tl.maximum(tl.max(tl.where(x_lo == x_lo, tl.abs(x_lo), float("inf")), axis=1),
+                        tl.max(tl.where(x_hi == x_hi, tl.abs(x_hi), float("inf")), axis=1))
+    qm = tl.full([BPP], QMAX, tl.float32)
+    scale = tl.math.div_rn(absmax, qm)
+    inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
+    t_lo = x_lo * inv[:, None]
+    t_hi = x_hi * inv[:, None]
+    t_lo = tl.where(t_lo == t_lo, t_lo, 0.0)
+    t_hi = tl.where(t_hi == t_hi, t_hi, 0.0)
+    if STOCH:  # the clamp and the dither as in `_quantize_kernel`; a word's pair index is its offset
+        if not INT4:
+            t_lo = tl.minimum(tl.maximum(t_lo, -QMAX), QMAX)
+            t_hi = tl.minimum(tl.maximum(t_hi, -QMAX), QMAX)
+        w_lo, w_hi = _dither_pairs(offs, _lowbias32(tl.load(seed_ptr).to(tl.uint32)))
+        t_lo = t_lo + w_lo
+        t_hi = t_hi + w_hi
+    m_lo = t_lo + MAGIC
+    m_hi = t_hi + MAGIC
+    if HAS_RES:
+        new_res = _pack_fp32(x_lo - (m_lo - MAGIC) * scale[:, None], x_hi - (m_hi - MAGIC) * scale[:, None])
+        if EVEN:
+            tl.store(nrw_ptr + offs, new_res)
+        else:
+            tl.store(nrw_ptr + offs, new_res, mask=valid)
+    if EVEN:
+        tl.store(s_ptr + rows, scale)
+    else:
+        tl.store(s_ptr + rows, scale, mask=rows < nblocks)
+    q_lo = m_lo.to(tl.uint32, bitcast=True)
+    q_hi = m_hi.to(tl.uint32, bitcast=True)
+    if INT4:
+        q = ((q_lo & 0xF) | ((q_hi & 0xF) << 4)).to(tl.uint8)
+    else:
+        q = ((q_lo & 0xFF) | ((q_hi & 0xFF) << 8)).to(tl.uint16).to(tl.int16, bitcast=True)
+    if EVEN:
+        tl.store(q_ptr + offs, q)
+    else:  # the padding's words are stored too (zeros quantise to q 0)
+        tl.store(q_ptr + offs, q, mask=(rows < nblocks)[:, None] & in_block)
+
+
+@triton.jit
+def _dequantize_pairs_kernel(
+    q_ptr, s_ptr, outw_ptr, nwords, nblocks,
+    BLOCK: tl.constexpr, HALF: tl.constexpr, BPP: tl.constexpr, INT4: tl.constexpr, WIDE: tl.constexpr,
+    BF16: tl.constexpr, EVEN: tl.constexpr,
+):
+    """`_dequantize_kernel` on words of two elements: q as uint8 (int4) or int16 (int8) per pair, the output as
+    int64 words of two fp32 or int32 words of two bf16."""
+    rows, offs, in_block = _tile(tl.program_id(0), BLOCK // 2, HALF, BPP, WIDE)
+    valid = in_block & (offs < nwords)
+    if EVEN:
+        scale = tl.load(s_ptr + rows)
+        b = tl.load(q_ptr + offs)
+    else:
+        scale = tl.load(s_ptr + rows, mask=rows < nblocks, other=0.0)
+        b = tl.load(q_ptr + offs, mask=valid, other=0)
+    if INT4:  # nibble n as float: the bits of 2**23 + n, minus 2**23 + 8 (as `_dequantize_kernel`)
+        b = b.to(tl.uint32)
+        lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    else:
+        lo = b.to(tl.int8).to(tl.float32)  # int16 -> int8 keeps the low byte
+        hi = (b >> 8).to(tl.int8).to(tl.float32)
+    out_lo = lo * scale[:, None]
+    out_hi = hi * scale[:, None]
+    if BF16:
+        out = (_bf16_bits(out_lo) | (_bf16_bits(out_hi) << 16)).to(tl.int32, bitcast=True)
+    else:
+        out = _pack_fp32(out_lo, out_hi)
+    if EVEN:
+        tl.store(outw_ptr + offs, out)
+    else:
+        tl.store(outw_ptr + offs, out, mask=valid)
+
+
 def _launch_shape(block: int, numel: int, padded: int, elems_per_program: int | None) -> dict[str, int]:
     """WIDTH (at least 2, so int4's pairs exist even for tiny blocks), blocks per program, programs, and whether
     the tiles cover the elements exactly (no masks needed)."""
@@ -218,6 +363,25 @@ def _launch_shape(block: int, numel: int, padded: int, elems_per_program: int | 
     grid = triton.cdiv(padded // block, bpp)
     return dict(WIDTH=width, BPP=bpp, grid=grid, EVEN=width == block and numel % (bpp * block) == 0,
                 WIDE=grid * bpp * block >= 2**31)
+
+
+# Input dtypes the pair kernels read, as (word dtype, XKIND of `_unpack_words`).
+_WORDS = {torch.float32: (torch.int64, 0), torch.bfloat16: (torch.int32, 1), torch.float16: (torch.int32, 2)}
+
+
+def _as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Flat `t` viewed as words of two elements each, or None where it cannot be: an odd length, or a buffer not
+    aligned to the word (a view starting at an odd element)."""
+    if t.numel() % 2 or not t.is_contiguous() or t.storage_offset() % 2 or t.data_ptr() % dtype.itemsize:
+        return None
+    return t.view(dtype)
+
+
+def _pairs_shape(shape: dict[str, int]) -> dict[str, int]:
+    """`_launch_shape` for the pair kernels: the same tiles, as words (HALF = WIDTH // 2 words per row)."""
+    shape = dict(shape)
+    shape["HALF"] = shape.pop("WIDTH") // 2
+    return shape
 
 
 def quantize_blockwise(
@@ -230,8 +394,15 @@ def quantize_blockwise(
     *,
     elems_per_program: int | None = None,
     num_warps: int | None = None,
+    pairs: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Same contract as `reference.quantize_blockwise`; `elems_per_program` / `num_warps` tune the launch."""
+    """Same contract as `reference.quantize_blockwise`; `elems_per_program` / `num_warps` tune the launch.
+
+    `pairs`: which kernel (both give the same bits): True the pair kernel, which needs an even block and length,
+    fp32 / bf16 / fp16 input and word-aligned buffers (ValueError otherwise); False the element kernel (any
+    input); None (default) the kernel's default (`default_config`), falling back to the element kernel where
+    the buffers do not allow pairs.
+    """
     reference.check_format(bits, block)
     if stochastic and seed is None:
         raise ValueError("stochastic rounding needs a seed (a 0-d integer tensor, new every step)")
@@ -246,15 +417,33 @@ def quantize_blockwise(
     if padded == 0:
         return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
     seed_t = seed.reshape(()).to(device=x.device, dtype=torch.int64) if stochastic else scales
-    epp, warps = default_config(bits, residual=residual is not None, stochastic=stochastic)
+    epp, warps, use_pairs = default_config(bits, residual=residual is not None, stochastic=stochastic)
     shape = _launch_shape(block, n, padded, elems_per_program or epp)
-    _quantize_kernel[(shape.pop("grid"),)](
-        xf, rf if rf is not None else xf, seed_t, q, scales, new_residual if new_residual is not None else xf,
-        n, padded // block,
-        BLOCK=block, QMAX=reference.QMAX[bits], INT4=bits == 4, HAS_RES=residual is not None, STOCH=stochastic,
-        MAGIC=1.5 * 2**23 + (8.0 if bits == 4 else 0.0), **shape,
-        num_warps=num_warps or warps, enable_fp_fusion=False,
-    )
+    xw = rw = None
+    if (use_pairs if pairs is None else pairs) and block % 2 == 0 and x.dtype in _WORDS:
+        xw = _as_words(xf, _WORDS[x.dtype][0])
+        rw = _as_words(rf, torch.int64) if rf is not None else None
+    if xw is not None and (rf is None or rw is not None):
+        qw = q.view(torch.int16) if bits == 8 else q
+        nrw = new_residual.view(torch.int64) if new_residual is not None else xw
+        shape = _pairs_shape(shape)
+        _quantize_pairs_kernel[(shape.pop("grid"),)](
+            xw, rw if rw is not None else xw, seed_t, qw, scales, nrw, n // 2, padded // block,
+            BLOCK=block, QMAX=reference.QMAX[bits], INT4=bits == 4, HAS_RES=residual is not None,
+            STOCH=stochastic, MAGIC=1.5 * 2**23 + (8.0 if bits == 4 else 0.0), XKIND=_WORDS[x.dtype][1], **shape,
+            num_warps=num_warps or warps, enable_fp_fusion=False,
+        )
+    elif pairs:
+        raise ValueError("the pair kernel needs an even block and length, fp32 / bf16 / fp16 input and "
+                         "word-aligned buffers")
+    else:
+        _quantize_kernel[(shape.pop("grid"),)](
+            xf, rf if rf is not None else xf, seed_t, q, scales, new_residual if new_residual is not None else xf,
+            n, padded // block,
+            BLOCK=block, QMAX=reference.QMAX[bits], INT4=bits == 4, HAS_RES=residual is not None, STOCH=stochastic,
+            MAGIC=1.5 * 2**23 + (8.0 if bits == 4 else 0.0), **shape,
+            num_warps=num_warps or warps, enable_fp_fusion=False,
+        )
     return q, scales, (new_residual.view(residual.shape) if residual is not None else None)
 
 
@@ -268,24 +457,39 @@ def dequantize_blockwise(
     *,
     elems_per_program: int | None = None,
     num_warps: int | None = None,
+    pairs: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.dequantize_blockwise`.
+    """Same contract as `reference.dequantize_blockwise`; `pairs` as in `quantize_blockwise` (the pair kernel
+    needs an even block and an even `numel`; for int8 also a 2-byte aligned `q`).
 
     The kernel writes fp32 or bf16; other dtypes (fp16) are cast from fp32 by torch afterwards.
     """
     reference.check_format(bits, block)
     if dtype not in (torch.float32, torch.bfloat16):
         return dequantize_blockwise(q, scales, bits, block, numel, torch.float32, elems_per_program=elems_per_program,
-                                    num_warps=num_warps).to(dtype)
+                                    num_warps=num_warps, pairs=pairs).to(dtype)
     out = torch.empty(numel, dtype=dtype, device=q.device)
     padded = scales.numel() * block
     if numel == 0:
         return out
-    epp, warps = default_config(bits, dequantise=True)
+    epp, warps, use_pairs = default_config(bits, dequantise=True)
     shape = _launch_shape(block, numel, padded, elems_per_program or epp)
-    _dequantize_kernel[(shape.pop("grid"),)](
-        q, scales, out, numel, scales.numel(),
-        BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
-        num_warps=num_warps or warps, enable_fp_fusion=False,
-    )
+    qw = None
+    if (use_pairs if pairs is None else pairs) and block % 2 == 0 and numel % 2 == 0:
+        qw = _as_words(q.reshape(-1), torch.int16) if bits == 8 else q
+    if qw is not None:
+        shape = _pairs_shape(shape)
+        _dequantize_pairs_kernel[(shape.pop("grid"),)](
+            qw, scales, out.view(torch.int64 if dtype == torch.float32 else torch.int32), numel // 2, scales.numel(),
+            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
+            num_warps=num_warps or warps, enable_fp_fusion=False,
+        )
+    elif pairs:
+        raise ValueError("the pair kernel needs an even block and an even numel")
+    else:
+        _dequantize_kernel[(shape.pop("grid"),)](
+            q, scales, out, numel, scales.numel(),
+            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
+            num_warps=num_warps or warps, enable_fp_fusion=False,
+        )
     return out
