@@ -22,6 +22,7 @@ from pt3func.compress.guard import (
 from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
+from pt3func.passes.backward_fence import keep_backward_in_backward
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.gather_cast import cast_before_gather
@@ -317,7 +318,13 @@ class Jitted:
         if self.backend == "inductor":
             # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
             # after its last use in the graph, which may be while a collective still in flight reads it.
-            optimisations += [bucket_gradient_all_reduces, issue_collectives_early, sink_waits, order_by_readiness]
+            optimisations += [
+                keep_backward_in_backward,  # else Inductor computes backward pieces in the forward and keeps them
+                bucket_gradient_all_reduces,
+                issue_collectives_early,
+                sink_waits,
+                order_by_readiness,
+            ]
         for optimisation in optimisations:
             if optimisation.__name__ not in config.disabled_passes:
                 gm = optimisation(gm)

@@ -1,0 +1,126 @@
+"""Keep the backward's elementwise work in the backward (Graph -> Graph).
+
+pf.jit compiles forward, backward and optimizer as one program, so Inductor sees a backward op's inputs long
+before the backward runs. A composite backward op (LayerNorm's, GELU's, log-softmax's) decomposes into pieces, and
+the pieces that read only forward values, such as LayerNorm's normalised input `(x - mean) * rstd` in fp32, get
+fused into the forward kernel that reads the same `x`: computed there, and kept as a new buffer until the
+backward. For the anchor GPT step on an H200 that was 13 fp32 buffers of 64 MiB each at the memory peak, held in
+place of the bf16 inputs the backward needs anyway (and written, then read back: more traffic, not less).
+`torch.compile` does not do this: its partitioner cuts the graph in two, so no backward piece runs early.
+
+This pass ties such an op to the backward: its activation-sized forward input is read through
+`where(never, 0, x)`, where `never` is `isnan(g) & isinf(g)` of one element of the op's own incoming gradient
+`g` (always False, and no compiler folds it). Every piece of the decomposed op now depends on `g`, so none can
+run before it; the select fuses into the op's kernels as one scalar load. Values are passed bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from pt3func.passes.remat import alias_root, custom, is_backward
+
+aten = torch.ops.aten
+
+# Backward ops that Inductor decomposes into pointwise ops and reductions (not extern kernels such as matmuls,
+# which read their inputs as they are), and whose decomposition has pieces that read forward values only.
+_DECOMPOSED_BACKWARD = {
+    getattr(aten, name).default
+    for name in (
+        "native_layer_norm_backward",
+        "native_group_norm_backward",
+        "native_batch_norm_backward",
+        "_fused_rms_norm_backward",
+        "_log_softmax_backward_data",
+        "_softmax_backward_data",
+        "gelu_backward",
+        "silu_backward",
+        "sigmoid_backward",
+        "tanh_backward",
+        "threshold_backward",
+        "hardswish_backward",
+        "hardsigmoid_backward",
+        "elu_backward",
+        "leaky_relu_backward",
+        "softplus_backward",
+        "mish_backward",
+    )
+    if hasattr(aten, name)
+}
+
+
+def keep_backward_in_backward(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fence the forward inputs of decomposed backward ops behind their incoming gradient (in place)."""
+    graph = gm.graph
+    never_of: dict[fx.Node, fx.Node] = {}  # gradient -> its `never` flag (one per gradient)
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _DECOMPOSED_BACKWARD or not is_backward(node):
+            continue
+        tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        # A forward value may reach the op through a view or detach recorded in the backward: judge by its storage.
+        gradient = next((a for a in tensors if is_backward(alias_root(a)) and a.meta["val"].numel() > 0), None)
+        if gradient is None:
+            continue
+        device = gradient.meta["val"].device
+        forward = [a for a in tensors if not is_backward(alias_root(a)) and a.meta["val"].device == device]
+        if not forward:
+            continue
+        # Only activation-sized inputs: statistics (mean, rstd) and weights are small, pieces reading only them
+        # cost little to keep.
+        largest = max(a.meta["val"].numel() for a in forward)
+        for value in dict.fromkeys(a for a in forward if a.meta["val"].numel() == largest):
+            with graph.inserting_before(node):
+                if gradient not in never_of:
+                    never_of[gradient] = _never(graph, gradient, node)
+                fenced = _select(graph, never_of[gradient], value, node)
+            node.replace_input_with(value, fenced)
+            changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _meta(node: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
+    # Tagged as the backward op it serves: analyses count it as backward, and it is not saved for it.
+    node.meta = {"custom": {**custom(like), "pt3func": f"{custom(like).get('pt3func')} (fence)"}, "val": val}
+    if "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+
+
+def _fake_mode(val: torch.Tensor) -> contextlib.AbstractContextManager:
+    mode = detect_fake_mode([val])
+    return mode if mode is not None else contextlib.nullcontext()
+
+
+def _never(graph: fx.Graph, gradient: fx.Node, at: fx.Node) -> fx.Node:
+    """A 0-d bool that is always False but computed from one element of `gradient`."""
+    val = gradient.meta["val"]
+    element = gradient
+    with _fake_mode(val):
+        elem_val = val
+        for _ in range(val.dim()):
+            element = graph.call_function(aten.select.int, (element, 0, 0))
+            elem_val = elem_val.select(0, 0)
+            _meta(element, at, elem_val)
+        nan = graph.call_function(aten.isnan.default, (element,))
+        _meta(nan, at, torch.isnan(elem_val))
+        inf = graph.call_function(aten.isinf.default, (element,))
+        _meta(inf, at, torch.isinf(elem_val))
+        never = graph.call_function(aten.logical_and.default, (nan, inf))
+        _meta(never, at, torch.logical_and(torch.isnan(elem_val), torch.isinf(elem_val)))
+    return never
+
+
+def _select(graph: fx.Graph, never: fx.Node, value: fx.Node, at: fx.Node) -> fx.Node:
+    val = value.meta["val"]
+    zero = False if val.dtype == torch.bool else 0
+    node = graph.call_function(aten.where.ScalarSelf, (never, zero, value))
+    with _fake_mode(val):
+        _meta(node, at, torch.where(never.meta["val"], zero, val))
+    return node
