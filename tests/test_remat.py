@@ -1,4 +1,4 @@
-"""Rematerialisation: pf.checkpoint policies, memory_budget, offload; numbers always equal to no remat."""
+"""Rematerialisation: pf.checkpoint policies, memory_budget; numbers equal to no remat (offload: test_offload.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from pt3func.passes.remat import (
     rematerialize,
 )
 from pt3func.passes.remat_budget import plan_budget, saved_bytes
-from pt3func.passes.remat_offload import OFFLOAD, RELOAD
 
 CP = pf.checkpoint_policies
 D, HEADS, FF = 16, 2, 32
@@ -430,64 +429,6 @@ def test_pass_never_recomputes_random_ops():
     assert plan.recompute and not any(is_random(n) for n in plan.recompute)
     rematerialize(gm)
     assert sum(map(is_random, gm.graph.nodes)) == 1
-
-
-def test_offload_moves_named_values_to_host_and_back_on_cuda():
-    gm = rematerialize(_graph(CP.offload_to_host("act"), device="cuda"))
-    nodes = list(gm.graph.nodes)
-    targets = [n.target for n in nodes]
-    assert targets.count(OFFLOAD) == 1 and targets.count(RELOAD) == 1
-    host, reload = nodes[targets.index(OFFLOAD)], nodes[targets.index(RELOAD)]
-    mul = host.args[0]
-    assert mul.target is aten.mul.Tensor and nodes.index(host) == nodes.index(mul) + 1  # right after the forward
-    assert host.meta["val"].device.type == "cpu" and reload.meta["val"].device.type == "cuda"
-    assert reload.args[0] is host
-    assert all(u.meta["custom"]["pt3func"].startswith("backward of") for u in reload.users)
-    # the rest of the region is recomputed as usual
-    assert any(str(n.meta.get("custom", {}).get("pt3func", "")).startswith("remat of") for n in nodes)
-    # the Inductor fence leaves the host copy alone (a CUDA condition cannot select a host tensor)
-    fenced = fence_recomputation(gm)
-    assert reload.args[0] is host
-    assert all(n.args[2].meta["val"].device.type == "cuda"
-               for n in fenced.graph.nodes if n.target is aten.where.ScalarSelf)
-
-
-def test_offload_is_a_no_op_on_cpu():
-    gm = rematerialize(_graph(CP.offload_to_host("act")))
-    assert OFFLOAD not in _targets(gm) and RELOAD not in _targets(gm)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload_to_host moves CUDA values to host memory")
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_offload_on_cuda_gives_the_same_numbers(backend):
-    step, opt = make_step(CP.offload_to_host("mlp_in"), body=mlp_block)
-    ref_step, _ = make_step("none", body=mlp_block)
-    params = pf.tree.map(lambda t: t.cuda(), init_params(1))
-    x, y = (t.cuda() for t in data())
-    runs = []
-    for fn in (step, ref_step):
-        jitted = pf.jit(fn, backend=backend)
-        p, s = params, opt.init(params)
-        losses = []
-        for i in range(3):
-            torch.manual_seed(i)
-            p, s, loss = jitted(p, s, x, y)
-            losses.append(loss)
-        runs.append((torch.stack(losses), p, jitted.lower(p, s, x, y).as_text()))
-    (losses, p, text), (ref_losses, ref_p, _) = runs
-    assert "OFFLOAD of %" in text and "RELOAD of %" in text
-    if backend == "eager":
-        assert_same((losses, p), (ref_losses, ref_p))
-    else:  # recomputed ops may be fused into other Triton kernels than the forward's: last-bit differences
-        for u, v in zip(pf.tree.leaves((losses, p)), pf.tree.leaves((ref_losses, ref_p))):
-            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
-
-
-def test_offload_ops_run():
-    x = torch.randn(3, 4)
-    host = torch.ops.pt3func.offload_to_host(x)
-    assert host.device.type == "cpu" and host.data_ptr() != x.data_ptr()
-    torch.testing.assert_close(torch.ops.pt3func.reload_to_device(host, "cpu"), x)
 
 
 # --- errors -------------------------------------------------------------------------------------------------

@@ -59,6 +59,11 @@ _METADATA_ONLY = {
 
 _C10D = "_c10d_functional"
 
+# The copies of `offload_to_host` (passes/remat_offload.py): they start and wait for copies, never run twice.
+_OFFLOAD_OPS = frozenset(
+    f"pt3func::{op}" for op in ("offload_to_host", "offload_release", "reload_prefetch", "reload_wait")
+)
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -207,7 +212,7 @@ class Recomputability:
             return False  # placeholders and constants are alive anyway
         if node.target is operator.getitem:
             return isinstance(node.args[0], fx.Node) and self(node.args[0])
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if not isinstance(node.target, torch._ops.OpOverload) or _is_offload_op(node):
             return False
         if is_random(node) or mutated_args(node):
             return False
@@ -368,7 +373,8 @@ def apply_remat(gm: fx.GraphModule, plan: RematPlan) -> fx.GraphModule:
 
     Each recomputed value is copied once; every backward read of it reads the copy. Copies keep the
     original's meta (stack trace, annotations) with `custom["pt3func"] = "remat of %name"`. An offloaded
-    value is copied to host right after the forward produces it and back right before its first backward read.
+    value is copied to host from right after the forward produces it, and back for its first backward read,
+    each copy overlapping compute (`remat_offload.py`: where the copies start and end).
     """
     if not plan:
         return gm
@@ -397,6 +403,10 @@ def apply_remat(gm: fx.GraphModule, plan: RematPlan) -> fx.GraphModule:
         for inp in list(node.all_input_nodes):
             if inp in copies:
                 node.replace_input_with(inp, copies[inp])
+    if plan.offload:
+        from pt3func.passes.remat_offload import place_offload_ops
+
+        place_offload_ops(graph)  # release and prefetch: one region after / before, for overlap
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -410,28 +420,10 @@ def _recompute(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node]) -
 
 
 def _reload(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    """Host copy of `node` right after it, and its copy back to the device here (the graph's insert point)."""
-    from pt3func.passes.remat_offload import OFFLOAD as offload_op
-    from pt3func.passes.remat_offload import RELOAD as reload_op
+    """Offload `node` to host after the forward makes it; its reloaded value here (the graph's insert point)."""
+    from pt3func.passes.remat_offload import insert_offload
 
-    val = node.meta["val"]
-    reload = graph.call_function(reload_op, (node, str(val.device)))
-    with graph.inserting_after(node):
-        host = graph.call_function(offload_op, (node,))
-    host.meta = {**node.meta, "custom": {**custom(node), "pt3func": f"offload of %{node.name}"}}
-    host.meta["val"] = _fake_like(val, torch.device("cpu"))
-    reload.replace_input_with(node, host)
-    reload.meta = {**node.meta, "custom": {**custom(node), "pt3func": f"reload of %{node.name}"}}
-    reload.meta["val"] = _fake_like(val, val.device)
-    return reload
-
-
-def _fake_like(val: torch.Tensor, device: torch.device) -> torch.Tensor:
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode([val])
-    with mode if mode is not None else contextlib.nullcontext():
-        return torch.empty(val.shape, dtype=val.dtype, device=device)
+    return insert_offload(graph, node)
 
 
 def rematerialize(gm: fx.GraphModule) -> fx.GraphModule:
@@ -444,9 +436,13 @@ def remat_notes(gm: fx.GraphModule) -> dict[fx.Node, str]:
     notes = {}
     for node in gm.graph.nodes:
         why = str(custom(node).get("pt3func", ""))
-        if why.startswith(("remat of", "reload of", "offload of")):
+        if why.startswith(("remat of", "reload of", "offload of", "release of", "prefetch of")):
             notes[node] = why.upper().split(" ", 1)[0] + " " + why.split(" ", 1)[1]
     return notes
+
+
+def _is_offload_op(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.name() in _OFFLOAD_OPS
 
 
 def _is_copy(node: fx.Node) -> bool:
@@ -484,12 +480,11 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
     for node in nodes:
         if node in groups:
             token, never, fences = groups[node], None, {}
-        if not _is_copy(node) or token is None:
-            continue
+        if not _is_copy(node) or token is None or _is_offload_op(node):
+            continue  # an offload op is an opaque call: Inductor cannot fuse it into the forward
         if any(_is_copy(inp) for inp in node.all_input_nodes):
             continue  # already after the fence through that input
         device = token.meta["val"].device
-        # An offloaded value's host copy is not fenced: the reload is an opaque call, not fused anyway.
         reads = [
             inp
             for inp in node.all_input_nodes

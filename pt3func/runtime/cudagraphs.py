@@ -55,7 +55,7 @@ def check_capturable(
     """Refuse, before compiling, a program that cannot be one CUDA graph; return the device it runs on.
 
     Every tensor input must be on one CUDA device, and collectives must run on NCCL >= 2.9 (which can be
-    captured); gloo and threaded (virtual mesh) collectives cannot.
+    captured); gloo and threaded (virtual mesh) collectives cannot, nor `offload_to_host`'s copies.
     """
     devices: dict[torch.device, str] = {}
     scalars = set(scalar_inputs)
@@ -75,7 +75,15 @@ def check_capturable(
         raise TracingError(
             f"{name}: cuda_graphs=True captures a program on one device, but {l0} is on {d0} and {l1} on {d1}"
         )
+    from pt3func.passes.remat_offload import OPS as offload_ops
+
     for node in gm.graph.nodes:
+        if node.target in offload_ops:
+            raise TracingError(
+                f"{name}: cuda_graphs=True cannot capture checkpoint_policies.offload_to_host ({node.name}): its "
+                "host copies are allocated on every call, and a replay would write into memory freed since. Use "
+                "save_only_these_names / nothing_saveable, or drop cuda_graphs=True."
+            )
         if is_collective(node):
             backend = _backend_of(node)
             if backend != "nccl":
