@@ -24,6 +24,7 @@ from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.backward_fence import keep_backward_in_backward
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
+from pt3func.passes.chunked_loss import chunk_cross_entropy
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.gather_cast import cast_before_gather
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
@@ -319,6 +320,7 @@ class Jitted:
             # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
             # after its last use in the graph, which may be while a collective still in flight reads it.
             optimisations += [
+                chunk_cross_entropy,  # the loss head a block of rows at a time: no whole logits
                 keep_backward_in_backward,  # else Inductor computes backward pieces in the forward and keeps them
                 bucket_gradient_all_reduces,
                 issue_collectives_early,
