@@ -35,5 +35,10 @@ class Config:
     Off by default: on 2 H200s over NVLink the anchor step ran 2% slower bucketed (47.7 vs 46.7 ms), the copies
     into the buckets costing more than the fewer, larger all-reduces save there. Slower links may differ."""
 
+    loss_chunk_bytes: int | None = 256 * 2**20
+    """Inductor-compiled programs whose loss is `cross_entropy(h @ W.T, targets)` compute it, its gradient and
+    the gradient's matmuls a block of rows at a time, with at most this many bytes of fp32 logits per block
+    (pt3func/passes/chunked_loss.py): the whole logits and their gradient never exist at once. None or 0: off."""
+
 
 config = Config()
