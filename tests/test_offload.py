@@ -367,3 +367,33 @@ def test_cuda_copies_run_on_the_side_stream():
     back = torch.ops.pt3func.reload_wait(token, [256, 256], [256, 1], x.dtype, "cuda")
     assert ro.side_stream(x.device) != torch.cuda.current_stream()
     assert_same(back, x)
+
+
+# --- the GPU benchmark's trace reading (benchmarks/offload_overlap.py) -----------------------------------------
+
+
+def test_benchmark_counts_copy_time_under_kernels(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import offload_overlap
+
+    def event(cat, name, ts, dur, stream, nbytes=0):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "bytes": nbytes}}
+
+    mib = 2**20
+    events = [
+        event("kernel", "gemm", 0, 100, 7),
+        event("kernel", "triton_", 150, 50, 7),
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50, 100, 13, 4 * mib),  # half under kernels
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 160, 20, 13, 4 * mib),  # all under a kernel
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 300, 10, 7, 4),  # too small: not counted
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = offload_overlap.copy_overlap(str(path), steps=1, min_bytes=mib)
+    assert out["DtoH"] == dict(copies_per_step=1, mib_per_step=4.0, ms_per_step=0.1, overlapped_with_kernels=0.5,
+                               streams=[13])
+    assert out["HtoD"]["overlapped_with_kernels"] == 1.0 and out["kernel_streams"] == [7]

@@ -1,0 +1,170 @@
+"""`offload_to_host` on the anchor step: step time and peak memory with the copies overlapped and not, and
+whether the copies run while kernels do.
+
+Each row is a fresh `lm_step.py` process (clean peak memory):
+
+- `offload`: `--policy offload` (each block's attention output in pinned host memory, the rest recomputed),
+  copies on the side stream (the default);
+- `offload-no-overlap`: the same program with `PT3FUNC_OFFLOAD_OVERLAP=0`: both copies on the compute stream;
+- `attn_saveable`: the same recompute with the attention output kept on the device (what offload saves);
+- `none`: no remat.
+
+The two offload rows are profiled (`lm_step.py --profile`); from each chrome trace this script sums the
+host<->device copies of at least `--min-copy-mib` and the part of that time during which a kernel runs (on
+any stream): with overlap most of it, without it none (one stream runs one thing at a time).
+
+    python benchmarks/offload_overlap.py                    # one H200, the anchor config (~5 min)
+    python benchmarks/offload_overlap.py --smoke            # CPU: tiny config, plumbing only (offload is a
+                                                            #   no-op on CPU values), < 2 min
+Prints one line per row, the copy overlap per profiled row, and whether all offload rows' losses equal the
+`attn_saveable` row's (the same values are kept, bit for bit); writes `results/offload_overlap_<device>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS, environment
+
+HERE = Path(__file__).resolve().parent
+SMOKE = ["--device", "cpu", "--layers", "2", "--d", "64", "--heads", "4", "--seq", "32", "--batch", "2",
+         "--vocab", "256", "--threads", "1"]
+ROWS = {
+    "offload": ("offload", "1", True),
+    "offload-no-overlap": ("offload", "0", True),
+    "attn_saveable": ("attn_saveable", "1", False),
+    "none": ("none", "1", False),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run: checks the plumbing, measures nothing")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row (after 3 warm-up steps)")
+    p.add_argument("--min-copy-mib", type=float, default=1.0, help="copies smaller than this are not counted")
+    p.add_argument("--trace-dir", default=None, help="keep the chrome traces here (default: a temporary folder)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more lm_step.py flags for every row")
+    return p.parse_args()
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(interval: tuple[float, float], merged: list[tuple[float, float]]) -> float:
+    start, end = interval
+    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in merged if s < end and e > start)
+
+
+def copy_overlap(trace_path: str, steps: int, min_bytes: int) -> dict[str, Any]:
+    """Host<->device copies of at least `min_bytes` in a chrome trace, and how much of their time overlaps kernels."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    copies = [
+        e for e in events
+        if e.get("cat") == "gpu_memcpy" and e.get("ph") == "X" and ("DtoH" in e["name"] or "HtoD" in e["name"])
+        and e.get("args", {}).get("bytes", 0) >= min_bytes
+    ]
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    out: dict[str, Any] = {}
+    for direction in ("DtoH", "HtoD"):
+        mine = [e for e in copies if direction in e["name"]]
+        total = sum(e["dur"] for e in mine)
+        hidden = sum(_overlap((e["ts"], e["ts"] + e["dur"]), busy) for e in mine)
+        out[direction] = dict(
+            copies_per_step=len(mine) / steps,
+            mib_per_step=round(sum(e["args"]["bytes"] for e in mine) / steps / 2**20, 1),
+            ms_per_step=round(total / steps / 1e3, 3),
+            overlapped_with_kernels=round(hidden / total, 3) if total else None,
+            streams=sorted({e.get("args", {}).get("stream") for e in mine}),
+        )
+    out["kernel_streams"] = sorted({e.get("args", {}).get("stream") for e in kernels})
+    return out
+
+
+def run_row(name: str, a: argparse.Namespace, trace_dir: str, out_jsonl: Path) -> dict[str, Any]:
+    policy, overlap, profiled = ROWS[name]
+    steps = 3 if a.smoke else a.steps
+    cmd = [sys.executable, str(HERE / "lm_step.py"), "--policy", policy, "--steps", str(steps), "--out", str(out_jsonl)]
+    if a.smoke:
+        cmd += SMOKE
+    trace = os.path.join(trace_dir, f"{name}.json")
+    if profiled and not a.smoke:
+        cmd += ["--profile", trace]
+    cmd += [x for x in a.extra if x != "--"]
+    env = dict(os.environ, PT3FUNC_OFFLOAD_OVERLAP=overlap)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{name}: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    record = json.loads(lines[-1])
+    row = dict(row=name, policy=policy, overlap=overlap == "1", step_ms=record["step_ms"],
+               tokens_per_s=record["tokens_per_s"], peak_mem_gib=record["peak_mem_gib"], loss=record["loss"],
+               pf_compiled_peak_mem_gib=record["pf_compiled_peak_mem_gib"])
+    rank_trace = trace.replace(".json", ".rank0.json")
+    if os.path.exists(rank_trace):
+        row["copies"] = copy_overlap(rank_trace, record["profile"]["steps"], int(a.min_copy_mib * 2**20))
+        row["profile_span_ms"] = record["profile"]["span_ms"]
+    return row
+
+
+def main() -> None:
+    a = parse_args()
+    names = [n for n in a.rows.split(",") if n]
+    unknown = set(names) - set(ROWS)
+    if unknown:
+        raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {list(ROWS)}")
+    device = "cpu" if a.smoke else "cuda"
+    out_json = RESULTS / f"offload_overlap_{device}.json"
+    out_jsonl = RESULTS / f"offload_overlap_{device}.lm_step.jsonl"
+    trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="offload_traces_")
+    os.makedirs(trace_dir, exist_ok=True)
+    rows = []
+    for name in names:
+        row = run_row(name, a, trace_dir, out_jsonl)
+        rows.append(row)
+        peak = f"{row['peak_mem_gib']} GiB" if row["peak_mem_gib"] is not None else "n/a (CPU)"
+        print(f"{name:20s} step {row['step_ms']:9.2f} ms  peak {peak:12s} compiled-program peak "
+              f"{row['pf_compiled_peak_mem_gib']} GiB  loss {row['loss']!r}", flush=True)
+        for direction, c in row.get("copies", {}).items():
+            if direction == "kernel_streams":
+                continue
+            print(f"    {direction}: {c['copies_per_step']:.0f} copies/step, {c['mib_per_step']} MiB, "
+                  f"{c['ms_per_step']} ms/step, {c['overlapped_with_kernels']} of it while kernels run "
+                  f"(copy streams {c['streams']}, kernel streams {row['copies']['kernel_streams']})", flush=True)
+    by_name = {r["row"]: r for r in rows}
+    same = None
+    if "attn_saveable" in by_name:
+        ref = by_name["attn_saveable"]["loss"]
+        same = all(r["loss"] == ref for r in rows if r["policy"] == "offload")
+        print(f"offload losses equal attn_saveable's (same values kept): {same}")
+    if "offload" in by_name and "offload-no-overlap" in by_name:
+        on, off = by_name["offload"], by_name["offload-no-overlap"]
+        print(f"overlap saves {off['step_ms'] - on['step_ms']:.2f} ms per step "
+              f"({off['step_ms']:.2f} -> {on['step_ms']:.2f})")
+    if "offload" in by_name and "attn_saveable" in by_name and by_name["offload"]["peak_mem_gib"] is not None:
+        on, kept = by_name["offload"], by_name["attn_saveable"]
+        print(f"offload vs attn kept on the device: peak {kept['peak_mem_gib']} -> {on['peak_mem_gib']} GiB, "
+              f"step {kept['step_ms']:.2f} -> {on['step_ms']:.2f} ms")
+    RESULTS.mkdir(exist_ok=True)
+    out_json.write_text(json.dumps(dict(rows=rows, same_losses=same, traces=trace_dir, env=environment()), indent=1))
+    print(f"wrote {out_json}; traces in {trace_dir}")
+
+
+if __name__ == "__main__":
+    main()
