@@ -81,6 +81,8 @@ INTERPRETER_CASES.update({
         "even-tiles-fp16-ef": dict(n=1024, block=256, dtype="float16", residual=True, elems_per_program=512),
         "block-2": dict(n=100, block=2, elems_per_program=16),  # one word per block (elements 40+ non-zero)
         "non-finite-ef": dict(n=300, block=40, special="non-finite", residual=True),
+        "non-finite-stochastic-ef": dict(n=300, block=40, special="non-finite", residual=True, stochastic=True,
+                                         seed=4),
         "ties": dict(n=300, block=80, special=f"ties{reference.QMAX[bits]}"),
         "tiny-absmax": dict(n=300, block=40, special="tiny"),
         "overshoot-stochastic": dict(n=512, block=64, special="overshoot", stochastic=True, seed=93),
@@ -96,9 +98,13 @@ INTERPRETER_CASES.update({
         "even-tiles-stochastic-ef": dict(n=2048, block=64, residual=True, stochastic=True, seed=5,
                                          elems_per_program=256),
         "non-finite-ef": dict(n=300, block=40, special="non-finite", residual=True),
+        "non-finite-stochastic-ef": dict(n=300, block=40, special="non-finite", residual=True, stochastic=True,
+                                         seed=4),
         "ties": dict(n=300, block=80, special="ties7"),
     }.items()
 })
+INTERPRETER_CASES["8bit-non-finite-stochastic-ef"] = dict(bits=8, n=301, block=40, special="non-finite",
+                                                          residual=True, stochastic=True, seed=4)
 INTERPRETER_CASES.update({
     f"{bits}bit-misaligned-{name}": dict(bits=bits, **kw)
     for bits in (8, 4)
@@ -120,31 +126,32 @@ def _same(w: torch.Tensor, g: torch.Tensor) -> bool:
 def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", residual: bool = False,
                       stochastic: bool = False, seed: int = 0, special: str = "",
                       elems_per_program: int | None = None, pairs: bool | None = None, offset: int = 0,
-                      residual_offset: int = 0) -> str:
-    """Empty string if the Triton kernels reproduce the reference exactly, else what differs. `pairs` picks the
-    kernel (None: the default); `offset` / `residual_offset` make x / the residual views starting that many
-    elements into a larger buffer."""
+                      residual_offset: int = 0, device: str = "cpu") -> str:
+    """Empty string if the Triton kernels on `device` reproduce the CPU reference exactly, else what differs.
+    `pairs` picks the kernel (None: the default); `offset` / `residual_offset` make x / the residual views
+    starting that many elements into a larger buffer."""
     from pt3func.kernels import triton_quant
 
+    def view_at(t: torch.Tensor, at: int) -> torch.Tensor:
+        return torch.cat([t.new_zeros(at), t]).to(device)[at:] if at else t.to(device)
+
     x = _case_input(n, getattr(torch, dtype), special)
-    if offset:
-        x = torch.cat([x.new_zeros(offset), x])[offset:]
     r = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.05 if residual else None
-    if r is not None and residual_offset:
-        r = torch.cat([r.new_zeros(residual_offset), r])[residual_offset:]
     s = torch.tensor(seed) if stochastic else None
     want = reference.quantize_blockwise(x, bits, block, r, stochastic, s)
-    got = triton_quant.quantize_blockwise(x, bits, block, r, stochastic, s, elems_per_program=elems_per_program,
+    got = triton_quant.quantize_blockwise(view_at(x, offset), bits, block,
+                                          None if r is None else view_at(r, residual_offset), stochastic,
+                                          None if s is None else s.to(device), elems_per_program=elems_per_program,
                                           pairs=pairs)
     errors = []
     for name, w, g in zip(("q", "scales", "new_residual"), want, got):
-        if (w is None) != (g is None) or (w is not None and not _same(w, g)):
+        if (w is None) != (g is None) or (w is not None and not _same(w, g.cpu())):
             errors.append(f"{name} differs")
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         w = reference.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype)
-        g = triton_quant.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype,
+        g = triton_quant.dequantize_blockwise(want[0].to(device), want[1].to(device), bits, block, n, out_dtype,
                                               elems_per_program=elems_per_program, pairs=pairs)
-        if not _same(w, g):
+        if not _same(w, g.cpu()):
             errors.append(f"dequantised {out_dtype} differs")
     return "; ".join(errors)
 
@@ -210,6 +217,19 @@ def test_triton_kernels_match_reference_bit_for_bit(interpreter_results, case):
 
 def test_pair_kernels_refuse_buffers_they_cannot_read(interpreter_results):
     assert interpreter_results["pair kernel refusals"] == ""
+
+
+# The interpreter cases that depend on how the hardware treats NaN, ties, subnormals and alignment: on a GPU
+# NaN + 1.5 * 2**23 is the canonical NaN (low byte 0xFF, where numpy keeps 0x7FC00000), fmin / fmax drop NaN
+# (numpy propagates it), and misaligned views are real addresses.
+CUDA_CASES = [name for name in INTERPRETER_CASES
+              if any(k in name for k in ("non-finite", "ties", "tiny", "overshoot", "misaligned", "bf16", "fp16"))]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_cuda_kernels_match_the_cpu_reference_on_interpreter_cases(case):
+    assert _interpreter_case(**INTERPRETER_CASES[case], device="cuda") == ""
 
 
 # ---------------------------------------------------------------------------------------------------------------

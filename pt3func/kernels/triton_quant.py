@@ -43,8 +43,9 @@ _DITHER_SHIFT = tl.constexpr(1.5 - 2.0**-17)  # (1 + b * 2**-16) - this = (b + 1
 # (elements per program, warps, pair kernel) when the caller does not pick, per kernel. Element kernels: the best
 # of benchmarks/quant_kernels.py's sweep over 64 MiB - 1 GiB on an H200 (results/quant_kernels_h200_run2.json);
 # kernels that write little per element (int4, no residual) want more elements per thread. The pair kernels
-# (int4) were chosen from the sm_90 code Triton generates (no shared memory, half the instructions per element
-# of the element kernels for int4 quantise), not yet measured on the GPU.
+# (int4) were chosen from the sm_90 code Triton 3.6 generates, not yet measured on the GPU: no shared memory
+# (except with a residual), 13 instead of 25 instructions per element for int4 quantise, 23 instead of 35 with
+# stochastic rounding, 7 instead of 8.5 for int4 dequantise at 2048 x 2.
 _CONFIGS = {
     "int8 quantise+ef": (1024, 2, False),
     "int4 quantise+ef": (1024, 2, True),
@@ -53,7 +54,7 @@ _CONFIGS = {
     "int4 quantise": (2048, 2, True),
     "int4 stochastic": (2048, 2, True),
     "int8 dequantise": (1024, 4, False),
-    "int4 dequantise": (1024, 4, False),
+    "int4 dequantise": (2048, 2, True),
 }
 
 
@@ -128,6 +129,8 @@ def _quantize_kernel(
     MAGIC: tl.constexpr,
 ):
     rows, offs, in_block = _tile(tl.program_id(0), BLOCK, WIDTH, BPP, WIDE)
+    if STOCH:  # first, so that the seed's load latency overlaps the tile's (the compiler keeps the order)
+        seed = tl.load(seed_ptr)
     if EVEN:  # whole blocks of a power-of-two length, whole programs: no masks (fewer instructions per element)
         y = tl.load(x_ptr + offs).to(tl.float32)
         if HAS_RES:
@@ -137,21 +140,26 @@ def _quantize_kernel(
         y = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         if HAS_RES:
             y = y + tl.load(r_ptr + offs, mask=valid, other=0.0)
-    # NaN counts as inf (tl.max would skip it), so a block with a non-finite value gets scale inf, q 0 (the
-    # `t == t` select) and dequantises to non-finite values, the same on every backend.
+    # NaN counts as inf (tl.max would skip it), so a block with a non-finite value gets scale inf, q 0 and
+    # dequantises to non-finite values, the same on every backend.
     absmax = tl.max(tl.where(y == y, tl.abs(y), float("inf")), axis=1)
     qm = tl.full([BPP], QMAX, tl.float32)
     scale = tl.math.div_rn(absmax, qm)
     inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
     t = y * inv[:, None]
-    t = tl.where(t == t, t, 0.0)
+    # The reference sets NaN t to 0. t is NaN only for the non-finite elements of a block whose absmax is inf
+    # (inv is 0 there and finite elsewhere, where |y * inv| <= qmax (1 + 2**-23)). In such a block every q must
+    # be 0 and every new residual is NaN either way (y - q * inf, with q 0 or NaN), so one select per row (`bad`)
+    # on the stored q replaces the reference's select per element. Only int8's stochastic clamp needs t cleaned
+    # first: GPU fmin / fmax turn NaN into +-qmax, which would make those residuals +-inf instead of NaN.
+    bad = absmax == float("inf")
     # No clamp is needed (the reference's is a no-op here): |t| <= qmax + ulp(qmax) since inv <= (qmax / absmax)
     # (1 + 2**-24), which rounds to at most qmax, and for int4 stays below 7.5 after adding the dither
     # (|w| <= 1/2 - 2**-17). Only int8's dither can reach 127 + 2**-17 + 1/2 - 2**-17, a tie that rounds to 128.
     if STOCH:
         if not INT4:
-            t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
-        seed_h = _lowbias32(tl.load(seed_ptr).to(tl.uint32))
+            t = tl.minimum(tl.maximum(tl.where(t == t, t, 0.0), -QMAX), QMAX)
+        seed_h = _lowbias32(seed.to(tl.uint32))
         if BLOCK % 2 == 0:
             pair = rows[:, None] * (BLOCK // 2) + tl.arange(0, WIDTH // 2)[None, :]
             w_lo, w_hi = _dither_pairs(pair, seed_h)
@@ -175,7 +183,7 @@ def _quantize_kernel(
     if INT4:
         # Neighbouring elements (2j, 2j + 1) -> low and high nibble of byte j.
         lo, hi = tl.split(tl.reshape(qbits & 0xF, (BPP, WIDTH // 2, 2)))
-        byte = (lo | (hi << 4)).to(tl.uint8)
+        byte = tl.where(bad[:, None], 0x88, lo | (hi << 4)).to(tl.uint8)
         bcols = tl.arange(0, WIDTH // 2)[None, :]
         bptr = q_ptr + rows[:, None] * (BLOCK // 2) + bcols
         if EVEN:
@@ -183,6 +191,8 @@ def _quantize_kernel(
         else:
             tl.store(bptr, byte, mask=(rows < nblocks)[:, None] & (bcols < BLOCK // 2))
     else:
+        if not STOCH:  # (stochastic: t was cleaned before the clamp, q is 0 already)
+            qbits = tl.where(bad[:, None], 0, qbits)
         q = qbits.to(tl.int8)  # truncation keeps the low byte
         if EVEN:
             tl.store(q_ptr + offs, q)
@@ -268,6 +278,8 @@ def _quantize_pairs_kernel(
     int64 words of two fp32, q as one uint8 (int4) or int16 (int8: two int8) per word; BLOCK is even and
     HALF = next_power_of_2(BLOCK) // 2. The IEEE operations per element are those of `_quantize_kernel`."""
     rows, offs, in_block = _tile(tl.program_id(0), BLOCK // 2, HALF, BPP, WIDE)  # offs: word = pair index
+    if STOCH:  # first, as in `_quantize_kernel`
+        seed = tl.load(seed_ptr)
     if EVEN:
         x_lo, x_hi = _unpack_words(tl.load(xw_ptr + offs), XKIND)
         if HAS_RES:
@@ -282,18 +294,17 @@ def _quantize_pairs_kernel(
         x_hi = x_hi + r_hi
     absmax = tl.maximum(tl.max(tl.where(x_lo == x_lo, tl.abs(x_lo), float("inf")), axis=1),
                         tl.max(tl.where(x_hi == x_hi, tl.abs(x_hi), float("inf")), axis=1))
+    bad = absmax == float("inf")  # see `_quantize_kernel`
     qm = tl.full([BPP], QMAX, tl.float32)
     scale = tl.math.div_rn(absmax, qm)
     inv = tl.minimum(tl.math.div_rn(qm, absmax), _FLT_MAX)
     t_lo = x_lo * inv[:, None]
     t_hi = x_hi * inv[:, None]
-    t_lo = tl.where(t_lo == t_lo, t_lo, 0.0)
-    t_hi = tl.where(t_hi == t_hi, t_hi, 0.0)
-    if STOCH:  # the clamp and the dither as in `_quantize_kernel`; a word's pair index is its offset
+    if STOCH:  # the NaN select, clamp and dither as in `_quantize_kernel`; a word's pair index is its offset
         if not INT4:
-            t_lo = tl.minimum(tl.maximum(t_lo, -QMAX), QMAX)
-            t_hi = tl.minimum(tl.maximum(t_hi, -QMAX), QMAX)
-        w_lo, w_hi = _dither_pairs(offs, _lowbias32(tl.load(seed_ptr).to(tl.uint32)))
+            t_lo = tl.minimum(tl.maximum(tl.where(t_lo == t_lo, t_lo, 0.0), -QMAX), QMAX)
+            t_hi = tl.minimum(tl.maximum(tl.where(t_hi == t_hi, t_hi, 0.0), -QMAX), QMAX)
+        w_lo, w_hi = _dither_pairs(offs, _lowbias32(seed.to(tl.uint32)))
         t_lo = t_lo + w_lo
         t_hi = t_hi + w_hi
     m_lo = t_lo + MAGIC
@@ -311,9 +322,12 @@ def _quantize_pairs_kernel(
     q_lo = m_lo.to(tl.uint32, bitcast=True)
     q_hi = m_hi.to(tl.uint32, bitcast=True)
     if INT4:
-        q = ((q_lo & 0xF) | ((q_hi & 0xF) << 4)).to(tl.uint8)
+        q = tl.where(bad[:, None], 0x88, (q_lo & 0xF) | ((q_hi & 0xF) << 4)).to(tl.uint8)
     else:
-        q = ((q_lo & 0xFF) | ((q_hi & 0xFF) << 8)).to(tl.uint16).to(tl.int16, bitcast=True)
+        q = (q_lo & 0xFF) | ((q_hi & 0xFF) << 8)
+        if not STOCH:
+            q = tl.where(bad[:, None], 0, q)
+        q = q.to(tl.uint16).to(tl.int16, bitcast=True)
     if EVEN:
         tl.store(q_ptr + offs, q)
     else:  # the padding's words are stored too (zeros quantise to q 0)
@@ -324,18 +338,22 @@ def _quantize_pairs_kernel(
 def _dequantize_pairs_kernel(
     q_ptr, s_ptr, outw_ptr, nwords, nblocks,
     BLOCK: tl.constexpr, HALF: tl.constexpr, BPP: tl.constexpr, INT4: tl.constexpr, WIDE: tl.constexpr,
-    BF16: tl.constexpr, EVEN: tl.constexpr,
+    BF16: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr,
 ):
     """`_dequantize_kernel` on words of two elements: q as uint8 (int4) or int16 (int8) per pair, the output as
-    int64 words of two fp32 or int32 words of two bf16."""
+    int64 words of two fp32 or int32 words of two bf16. VEC = min(2, HALF)."""
     rows, offs, in_block = _tile(tl.program_id(0), BLOCK // 2, HALF, BPP, WIDE)
     valid = in_block & (offs < nwords)
+    # Triton gives each memory access of a tile the widest per-thread run its type allows (16 q bytes, 2 int64
+    # output words) and converts between the layouts through shared memory. Telling it that q is contiguous only
+    # in runs of 2 (true, and all it can use: a thread stores 2 words) gives the q loads the layout of the stores.
+    q_ptrs = tl.max_contiguous(q_ptr + offs, [1, VEC])
     if EVEN:
         scale = tl.load(s_ptr + rows)
-        b = tl.load(q_ptr + offs)
+        b = tl.load(q_ptrs)
     else:
         scale = tl.load(s_ptr + rows, mask=rows < nblocks, other=0.0)
-        b = tl.load(q_ptr + offs, mask=valid, other=0)
+        b = tl.load(q_ptrs, mask=valid, other=0)
     if INT4:  # nibble n as float: the bits of 2**23 + n, minus 2**23 + 8 (as `_dequantize_kernel`)
         b = b.to(tl.uint32)
         lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
@@ -481,7 +499,7 @@ def dequantize_blockwise(
         shape = _pairs_shape(shape)
         _dequantize_pairs_kernel[(shape.pop("grid"),)](
             qw, scales, out.view(torch.int64 if dtype == torch.float32 else torch.int32), numel // 2, scales.numel(),
-            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
+            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, VEC=min(2, shape["HALF"]), **shape,
             num_warps=num_warps or warps, enable_fp_fusion=False,
         )
     elif pairs:
