@@ -120,3 +120,13 @@ def test_off_when_the_chunk_size_is_unset():
         assert _count(gm, aten._log_softmax.default) == 1
     finally:
         pf.config.loss_chunk_bytes = before
+
+
+def test_matmul_accumulate_op():
+    from pt3func.passes.chunked_loss import matmul_accumulate
+
+    a, b, acc = torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(5, 4)
+    torch.library.opcheck(torch.ops.pt3func.matmul_accumulate.default, (acc, a, b))
+    torch.library.opcheck(torch.ops.pt3func.matmul_accumulate.default, (None, a, b))
+    torch.testing.assert_close(matmul_accumulate(acc, a, b), acc + a.double().mm(b.double()).float())
+    assert matmul_accumulate(None, a, b).dtype == torch.float32

@@ -272,7 +272,6 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
     sums: list[fx.Node] = []
     rows: list[list[fx.Node]] = [[] for _ in head.row_users]
     acc: list[fx.Node | None] = [None for _ in head.transposed_users]
-    cuda = head.matmul.meta["val"].device.type == "cuda"
     for lo, hi in zip(bounds, bounds[1:]):
         h_c = b(aten.slice.Tensor, (h, 0, lo, hi), fwd_like)
         logits = b(aten.mm.default, (h_c, wt), head.matmul)
@@ -292,7 +291,7 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
         g_t = b(aten.t.default, (g,), bwd_like)
         for k, (user, z) in enumerate(zip(head.transposed_users, col_operands)):
             z_c = b(aten.slice.Tensor, (z, 0, lo, hi), user)
-            acc[k] = _accumulate(b, acc[k], g_t, z_c, user, cuda)
+            acc[k] = _accumulate(b, acc[k], g_t, z_c, user)
     loss = sums[0]
     for s in sums[1:]:
         loss = b(aten.add.Tensor, (loss, s), head.loss_forward)
@@ -314,24 +313,30 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
             graph.erase_node(node)
 
 
-def _accumulate(b: _Builder, acc: fx.Node | None, g_t: fx.Node, z: fx.Node, like: fx.Node, cuda: bool) -> fx.Node:
-    """acc + g_t @ z in fp32. On CUDA the product of low-precision operands is written in fp32 by cuBLAS (the
-    `out_dtype` overloads); elsewhere the operands are upcast (exact: a bf16 or fp16 value is an fp32 value)."""
-    low = g_t.meta["val"].dtype in (torch.bfloat16, torch.float16)
-    if cuda and low and _fp32_output_matmul(g_t.meta["val"].dtype):
+def _accumulate(b: _Builder, acc: fx.Node | None, g_t: fx.Node, z: fx.Node, like: fx.Node) -> fx.Node:
+    """acc + g_t @ z, in fp32."""
+    return b(torch.ops.pt3func.matmul_accumulate.default, (acc, g_t, z), like)
+
+
+@torch.library.custom_op("pt3func::matmul_accumulate", mutates_args=())
+def matmul_accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`acc + a @ b` in fp32 (acc None: `a @ b`), for operands of any float dtype.
+
+    On CUDA, bf16/fp16 operands are multiplied by cuBLAS writing fp32 (the `out_dtype` overloads of mm/addmm);
+    elsewhere the operands are upcast, which is exact. A custom op because torch 2.11's fake-tensor rule for
+    `addmm.dtype` is broken (it runs the plain addmm decomposition), and so that Inductor calls it as it is.
+    """
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _fp32_output_matmul(a.dtype):
         if acc is None:
-            return b(aten.mm.dtype, (g_t, z, torch.float32), like)
-        return b(aten.addmm.dtype, (acc, g_t, z, torch.float32), like)
-    if cuda and low:  # no fp32-output matmul in this torch: accumulate in the operands' dtype (cuBLAS adds in fp32)
-        if acc is None:
-            return b(aten.mm.default, (g_t, z), like)
-        return b(aten.addmm.default, (acc, g_t, z), like)
-    if g_t.meta["val"].dtype != torch.float32:
-        g_t = b(aten._to_copy.default, (g_t,), like, dtype=torch.float32)
-        z = b(aten._to_copy.default, (z,), like, dtype=torch.float32)
-    if acc is None:
-        return b(aten.mm.default, (g_t, z), like)
-    return b(aten.addmm.default, (acc, g_t, z), like)
+            return torch.ops.aten.mm.dtype(a, b, torch.float32)
+        return torch.ops.aten.addmm.dtype(acc, a, b, torch.float32)
+    product = a.float() @ b.float()
+    return product if acc is None else acc + product
+
+
+@matmul_accumulate.register_fake
+def _(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
 
 
 @functools.cache
@@ -342,6 +347,6 @@ def _fp32_output_matmul(dtype: torch.dtype) -> bool:
         out = torch.ops.aten.addmm.dtype(torch.ops.aten.mm.dtype(a, a, torch.float32), a, a, torch.float32)
         return out.dtype == torch.float32 and bool((out == 4).all())
     except (RuntimeError, NotImplementedError):
-        log.warning("CUDA matmuls cannot write fp32 from %s operands here: the chunked loss head accumulates its "
-                    "weight gradient in %s", dtype, dtype)
+        log.warning("CUDA matmuls cannot write fp32 from %s operands in this torch: the chunked loss head "
+                    "multiplies upcast operands instead (slower)", dtype)
         return False
