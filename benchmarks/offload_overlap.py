@@ -11,7 +11,10 @@ Each row is a fresh `lm_step.py` process (clean peak memory):
 
 The two offload rows are profiled (`lm_step.py --profile`); from each chrome trace this script sums the
 host<->device copies of at least `--min-copy-mib` and the part of that time during which a kernel runs (on
-any stream): with overlap most of it, without it none (one stream runs one thing at a time).
+any stream): with overlap most of it, without it none (one stream runs one thing at a time). From the
+program Inductor generated (`--dump-code`) it counts the kernels launched between each value's offload and
+release, and between its prefetch and wait: what each copy has to hide behind (0: the ops were moved
+together).
 
     python benchmarks/offload_overlap.py                    # one H200, the anchor config (~5 min)
     python benchmarks/offload_overlap.py --smoke            # CPU: tiny config, plumbing only (offload is a
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +102,39 @@ def copy_overlap(trace_path: str, steps: int, min_bytes: int) -> dict[str, Any]:
     return out
 
 
+def op_windows(code: str) -> dict[str, list[int]]:
+    """Kernel launches between each value's offload and release ("out") and its prefetch and wait ("back") in
+    Inductor's generated program: what each copy can overlap. 0 means the ops ended up side by side."""
+    body = code[code.index("def call("):]
+    events: list[str | None] = []  # an op's node name, or None for a kernel launch
+    node = None
+    for line in body.splitlines():
+        s = line.strip()
+        if s.startswith("# Topologically Sorted Source Nodes: ["):
+            node = s.split("[", 1)[1].split("]", 1)[0].split(", ")[-1]
+        elif re.match(r"buf\d+ = torch\.ops\.pt3func\.\w+\.default\(", s):
+            events.append(node)
+        elif re.search(r"\w\.run\(|^extern_kernels\.\w+\(|torch\.ops\.aten\.\w+|^cpp_fused\w*\(", s):
+            events.append(None)
+    launched, count = [], 0
+    for e in events:
+        launched.append(count)
+        count += e is None
+    at = {e: i for i, e in enumerate(events) if e is not None}
+    out: dict[str, list[int]] = {"out": [], "back": []}
+    for name in at:
+        m = re.fullmatch(r"offload_to_host_default(_\d+)?", name)
+        if not m:
+            continue
+        suffix = m.group(1) or ""
+        ops = ("offload_release", "reload_prefetch", "reload_wait")
+        release, prefetch, wait = (f"{op}_default{suffix}" for op in ops)
+        if {release, prefetch, wait} <= at.keys():
+            out["out"].append(launched[at[release]] - launched[at[name]])
+            out["back"].append(launched[at[wait]] - launched[at[prefetch]])
+    return out
+
+
 def run_row(name: str, a: argparse.Namespace, trace_dir: str, out_jsonl: Path) -> dict[str, Any]:
     policy, overlap, profiled = ROWS[name]
     steps = 3 if a.smoke else a.steps
@@ -106,6 +144,8 @@ def run_row(name: str, a: argparse.Namespace, trace_dir: str, out_jsonl: Path) -
     trace = os.path.join(trace_dir, f"{name}.json")
     if profiled and not a.smoke:
         cmd += ["--profile", trace]
+    if profiled:
+        cmd += ["--dump-code", os.path.join(trace_dir, f"{name}_program.py")]
     cmd += [x for x in a.extra if x != "--"]
     env = dict(os.environ, PT3FUNC_OFFLOAD_OVERLAP=overlap)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE)
@@ -116,6 +156,11 @@ def run_row(name: str, a: argparse.Namespace, trace_dir: str, out_jsonl: Path) -
     row = dict(row=name, policy=policy, overlap=overlap == "1", step_ms=record["step_ms"],
                tokens_per_s=record["tokens_per_s"], peak_mem_gib=record["peak_mem_gib"], loss=record["loss"],
                pf_compiled_peak_mem_gib=record["pf_compiled_peak_mem_gib"])
+    program = os.path.join(trace_dir, f"{name}_program.py")
+    if os.path.exists(program):
+        windows = op_windows(Path(program).read_text())
+        row["kernels_between"] = {k: dict(n=len(v), min=min(v), median=statistics.median(v)) if v else None
+                                  for k, v in windows.items()}
     rank_trace = trace.replace(".json", ".rank0.json")
     if os.path.exists(rank_trace):
         row["copies"] = copy_overlap(rank_trace, record["profile"]["steps"], int(a.min_copy_mib * 2**20))
@@ -141,6 +186,11 @@ def main() -> None:
         peak = f"{row['peak_mem_gib']} GiB" if row["peak_mem_gib"] is not None else "n/a (CPU)"
         print(f"{name:20s} step {row['step_ms']:9.2f} ms  peak {peak:12s} compiled-program peak "
               f"{row['pf_compiled_peak_mem_gib']} GiB  loss {row['loss']!r}", flush=True)
+        for k, w in (row.get("kernels_between") or {}).items():
+            if w:
+                what = "offload -> release" if k == "out" else "prefetch -> wait"
+                print(f"    {what}: {w['n']} values, kernels launched between: min {w['min']}, median "
+                      f"{w['median']}", flush=True)
         for direction, c in row.get("copies", {}).items():
             if direction == "kernel_streams":
                 continue

@@ -213,6 +213,9 @@ def test_same_numbers_and_order_under_inductor(force_offload):
     assert len(ours) == 4 * N_BLOCKS
     assert len(calls) - len(ours) == len(ref_calls)
     assert not re.search(r"\.copy_\(|\.clone\(|aten\.copy|aten\.clone", code[code.index("def call("):])
+    # The benchmark's reading of the program: every copy has kernels to run behind.
+    windows = _benchmark().op_windows(code)
+    assert len(windows["out"]) == len(windows["back"]) == N_BLOCKS and min(windows["out"] + windows["back"]) > 0
     # Inductor keeps the ops where the pass put them: same order among themselves, each after its anchor,
     # and none later than a matmul that follows it in the graph.
     graph = [n for n in lowered.graph_module.graph.nodes if n.op == "call_function"]
@@ -372,13 +375,20 @@ def test_cuda_copies_run_on_the_side_stream():
 # --- the GPU benchmark's trace reading (benchmarks/offload_overlap.py) -----------------------------------------
 
 
-def test_benchmark_counts_copy_time_under_kernels(tmp_path):
-    import json
+def _benchmark():
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import offload_overlap
+
+    return offload_overlap
+
+
+def test_benchmark_counts_copy_time_under_kernels(tmp_path):
+    import json
+
+    offload_overlap = _benchmark()
 
     def event(cat, name, ts, dur, stream, nbytes=0):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "bytes": nbytes}}
