@@ -95,6 +95,13 @@ def parse_args() -> argparse.Namespace:
         help="with --sharding: how gradients are reduced (pf.jit(grad_exchange=...)); fp32: the plain all-reduce; "
         "int8/int4 with error feedback, its residuals carried in the optimizer state",
     )
+    p.add_argument(
+        "--exchange-bucket-mib",
+        type=float,
+        default=None,
+        help="with --grad-exchange: pf.config.grad_exchange_bucket_bytes in MiB (gradients packed per compressed "
+        "reduction; 0: one per leaf; default: pf.config's, 64 MiB)",
+    )
     p.add_argument("--overlap", action="store_true", help="Inductor's compute/communication reordering pass")
     p.add_argument(
         "--bucket",
@@ -284,6 +291,8 @@ def main() -> None:
         mesh = pf.make_mesh((int(os.environ.get("WORLD_SIZE", "1")),), ("dp",))
         world, rank = mesh.size, torch.distributed.get_rank()
         device = torch.device(a.device, torch.cuda.current_device()) if on_cuda else device
+    if a.exchange_bucket_mib is not None:
+        pf.config.grad_exchange_bucket_bytes = int(a.exchange_bucket_mib * 2**20)
     if a.overlap:
         torch._inductor.config.reorder_for_compute_comm_overlap = True
     if a.bucket:
@@ -410,6 +419,10 @@ def main() -> None:
         comm_bytes=cost["comm_bytes"],
         profile=profile,
         grad_exchange=a.grad_exchange if exchange is None else f"{a.grad_exchange} ({exchange.describe()})",
+        # Compressed reductions packed into buckets of this many MiB of gradients (pf.config), and the program's
+        # collectives (per leaf, int8 has 2 per gradient; bucketed, 2 per bucket).
+        exchange_bucket_mib=None if exchange is None else (pf.config.grad_exchange_bucket_bytes or 0) / 2**20,
+        n_collectives=sum(1 for n in lowered.graph_module.graph.nodes if pf.analysis.is_collective(n)),
         # pf.jit's exchange guard (pf.compress.Guard): compression kept or switched off, both medians, the reason.
         exchange_decision=dataclasses.asdict(step.exchange_decision()) if step.exchange_decision() else None,
         config=dict(layers=L, d=D, heads=a.heads, seq=S, batch=B, vocab=V, steps=a.steps, device=a.device),

@@ -10,6 +10,11 @@ def _disabled_from_env() -> frozenset[str]:
     return frozenset(name.strip() for name in os.environ.get("PT3FUNC_DISABLE_PASSES", "").split(",") if name.strip())
 
 
+def _bucket_bytes_from_env(default: int) -> int | None:
+    value = os.environ.get("PT3FUNC_GRAD_EXCHANGE_BUCKET_BYTES", "").strip()
+    return int(value) if value else default
+
+
 @dataclass
 class Config:
     explain_cache_misses: bool = False
@@ -34,6 +39,14 @@ class Config:
     this many bytes (pt3func/passes/bucketing.py; DDP's default is 25 MiB); None: one all-reduce per gradient.
     Off by default: on 2 H200s over NVLink the anchor step ran 2% slower bucketed (47.7 vs 46.7 ms), the copies
     into the buckets costing more than the fewer, larger all-reduces save there. Slower links may differ."""
+
+    grad_exchange_bucket_bytes: int | None = field(default_factory=lambda: _bucket_bytes_from_env(64 * 2**20))
+    """Compressed gradient exchange (`pf.jit(grad_exchange=...)`) of elementwise formats (bf16, fp16, int8, int4):
+    pack consecutive gradient reductions into buckets of about this many bytes of gradients, one compressed
+    reduction each (pt3func/passes/grad_exchange.py); None or 0: one per leaf. 64 MiB by default: per leaf, int8 +
+    EF was launch-bound on 2 H200s (2,417 kernels a step), and a compressed bucket is 4x smaller on the wire
+    than DDP's 25 MiB fp32 one. Also read from PT3FUNC_GRAD_EXCHANGE_BUCKET_BYTES; applies to programs lowered
+    after it is set."""
 
     loss_chunk_bytes: int | None = 256 * 2**20
     """Inductor-compiled programs whose loss is `cross_entropy(h @ W.T, targets)` compute it, its gradient and

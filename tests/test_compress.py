@@ -219,9 +219,12 @@ def test_reduced_gradient_close_to_exact(one_step, layout, name):
 def test_as_text_shows_the_rewritten_collectives(one_step):
     text = one_step["dp"]["int8"]["text"]
     assert "all_to_all_single" in text and "all_gather_into_tensor" in text
-    assert "COLLECTIVE all_to_all_single over 'dp', 2.0 KiB: grad of params['w1'] (int8, block 256, EF)" in text
+    # One bucket (pf.config.grad_exchange_bucket_bytes) for the three leaves, named in backward order; per leaf in
+    # test_grad_exchange_bucket.py.
+    assert ("COLLECTIVE all_to_all_single over 'dp', 4.1 KiB: grad of 3 leaves in one bucket, 12.2 KiB of gradients "
+            "(int8, block 256, EF): params['w2'], params['b1'], params['w1']") in text
     fsdp = one_step["fsdp"]["int8"]["text"]
-    assert "grad of params['w2'] (int8, block 256, EF)" in fsdp
+    assert "(int8, block 256, EF): params['w2'], params['w1'], params['b1']" in fsdp
     assert "reduce_scatter_tensor" not in fsdp
     assert "grad of params['w1'] (top-k 0.1, values bf16, EF)" in one_step["dp"]["topk_bf16"]["text"]
 
@@ -313,7 +316,7 @@ def test_fsdp_tp_and_two_rank_worlds():
     r = run_world(4, cc.one_step_errors, "fsdp_tp", {"int8": "int8()", "topk_all": "topk(1.0)"})[0]
     assert max(r["int8"]["rel"].values()) < 1.5e-2
     assert max(r["topk_all"]["rel"].values()) < 1e-6
-    assert "grad of params['w2'] (int8, block 256, EF)" in r["int8"]["text"]
+    assert "(int8, block 256, EF): params['w2']" in r["int8"]["text"]
     two = run_world(2, cc.one_step_errors, "fsdp2", {"int8": "int8()", "powersgd": "powersgd(2)"})[0]
     assert max(two["int8"]["rel"].values()) < 1.5e-2 and two["int8"]["world"] == 2
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -182,15 +182,26 @@ class Codec(Format):
         return out
 
     def reduce(self, x, state, step, r):
-        out, new_res, new_server = two_phase(
-            self, x, state.get("residual"), state.get("server_residual"), step, r
-        )
-        new = {}
-        if new_res is not None:
-            new["residual"] = new_res
-        if new_server is not None:
-            new["server_residual"] = new_server
+        (out,), (new,) = self.reduce_bucket([x], [state], step, [r])
         return out, new
+
+    def reduce_bucket(
+        self,
+        xs: Sequence[torch.Tensor],
+        states: Sequence[dict[str, torch.Tensor]],
+        step: torch.Tensor | None,
+        rs: Sequence[Reduction],
+    ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """`reduce` of several leaves at once, through one buffer and one pair of collectives (the grad_exchange
+        pass's buckets): `(results, new states)`, one of each per leaf. `rs` are the leaves' reductions, all of
+        one kind, op and group. Each leaf's values and state are those `reduce` gives it alone (see
+        `two_phase`), but for stochastic rounding, whose stream is the first leaf's, over bucket positions."""
+        outs, residuals, servers = two_phase_bucket(
+            self, xs, [s.get("residual") for s in states], [s.get("server_residual") for s in states], step, rs
+        )
+        news = [{k: v for k, v in (("residual", res), ("server_residual", server)) if v is not None}
+                for res, server in zip(residuals, servers)]
+        return outs, news
 
 
 def two_phase(
@@ -206,22 +217,74 @@ def two_phase(
     Chunking the flat buffer into `world` contiguous chunks is the dim-0 sharding of a reduce-scatter; each
     chunk is padded to the codec's block so no block straddles two ranks.
     """
-    world, n = r.world, x.numel()
-    m, c = _chunk(n, world, codec.align)
-    rows = _rows(x.reshape(-1).to(torch.float32), world, m, c)
-    res_rows = None if residual is None else _rows(residual.reshape(-1), world, m, c)
+    (out,), (new_res,), (new_server,) = two_phase_bucket(codec, [x], [residual], [server], step, [r])
+    return out, new_res, new_server
+
+
+def two_phase_bucket(
+    codec: Codec,
+    xs: Sequence[torch.Tensor],
+    residuals: Sequence[torch.Tensor | None],
+    servers: Sequence[torch.Tensor | None],
+    step: torch.Tensor | None,
+    rs: Sequence[Reduction],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """`two_phase` of several leaves through one buffer: one encode and one collective per phase for all of
+    them; lists of `(result, residual, server)`, one entry per leaf (residuals and servers all tensors or all
+    None; `rs` of one kind, op and group).
+
+    The buffer lays out, for every rank, that rank's chunk of each leaf in turn, each padded to the block
+    (row i = [leaf 0's chunk i | leaf 1's chunk i | ...]): rank i receives exactly its chunk of every leaf (the
+    [rank][leaf chunk] layout a bucketed reduce-scatter needs), no block straddles two leaves, and every value,
+    scale and residual is the one `two_phase` gives the leaf alone. Only stochastic rounding differs: it draws
+    from the first leaf's stream, at bucket positions.
+    """
+    r, world = rs[0], rs[0].world
+    sizes = [x.numel() for x in xs]
+    chunks = [_chunk(n, world, codec.align) for n in sizes]  # (m, c) per leaf
+    widths = [c for _, c in chunks]
+    cols = sum(widths)
+    rows = _cat([_rows(x.reshape(-1).to(torch.float32), world, m, c) for x, (m, c) in zip(xs, chunks)], 1)
+    res_rows = None
+    if residuals[0] is not None:
+        res_rows = _cat([_rows(res.reshape(-1), world, m, c) for res, (m, c) in zip(residuals, chunks)], 1)
     payload, new_res_rows = codec.encode(rows, res_rows, _seed(step, r, 0))
-    mine = codec.decode(_all_to_all(payload, r), c).sum(0)  # every rank's copy of my chunk, summed in fp32
+    mine = codec.decode(_all_to_all(payload, r), cols).sum(0)  # every rank's copy of my chunks, summed in fp32
     if r.op == "avg":
         mine = mine / world
-    new_res = None if new_res_rows is None else _unrows(new_res_rows, m, n).view(residual.shape)
+    # Each leaf's results get buffers of their own (`own`): views into one bucket buffer, fed back to a jitted
+    # step as inputs that share storage, were miscompiled by Inductor (per-leaf state read wrong on the next step).
+    own = _apart if len(xs) > 1 else lambda t, view=True: t
+    new_res = [None] * len(xs)
+    if new_res_rows is not None:
+        new_res = [own(_unrows(part, m, n), world == 1).view(res.shape)
+                   for part, (m, _), n, res in zip(_split(new_res_rows, widths, 1), chunks, sizes, residuals)]
     if r.kind == "reduce_scatter":
-        return mine[:m].view(r.out_shape).to(x.dtype), new_res, None
-    server_rows = None if server is None else server.reshape(1, c)
-    payload2, new_server = codec.encode(mine.view(1, c), server_rows, _seed(step, r, 1))
-    full = codec.decode(_all_gather(payload2, r), c)
-    out = _unrows(full, m, n).view(r.out_shape).to(x.dtype)
-    return out, new_res, None if new_server is None else new_server.view(server.shape)
+        outs = [own(part[:m]).view(ri.out_shape).to(x.dtype)
+                for part, (m, _), ri, x in zip(_split(mine, widths, 0), chunks, rs, xs)]
+        return outs, new_res, [None] * len(xs)
+    server_rows = None if servers[0] is None else _cat([s.reshape(1, c) for s, c in zip(servers, widths)], 1)
+    payload2, new_server = codec.encode(mine.view(1, cols), server_rows, _seed(step, r, 1))
+    full = codec.decode(_all_gather(payload2, r), cols)
+    outs = [own(_unrows(part, m, n), world == 1).view(ri.out_shape).to(x.dtype)
+            for part, (m, _), n, ri, x in zip(_split(full, widths, 1), chunks, sizes, rs, xs)]
+    new_servers = [None] * len(xs)
+    if new_server is not None:
+        new_servers = [own(part).view(s.shape) for part, s in zip(_split(new_server, widths, 1), servers)]
+    return outs, new_res, new_servers
+
+
+def _apart(t: torch.Tensor, view: bool = True) -> torch.Tensor:
+    """`t` in a buffer of its own where it is a view of a bucket's buffer (`view`); else `t`, already a copy."""
+    return t.clone(memory_format=torch.contiguous_format) if view else t
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _split(t: torch.Tensor, widths: list[int], dim: int) -> list[torch.Tensor]:
+    return [t] if len(widths) == 1 else list(t.split(widths, dim))
 
 
 @dataclass(frozen=True)

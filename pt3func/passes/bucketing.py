@@ -16,6 +16,7 @@ the unbucketed program: a sum (or average) is elementwise, whatever the packing.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import fx
@@ -47,16 +48,24 @@ def _gradient_all_reduces(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return found
 
 
-def _key(node: fx.Node) -> tuple:
-    _, op, group = node.args[:3]
-    return op, group, node.args[0].meta["val"].dtype
+def reduction_key(node: fx.Node) -> tuple:
+    """What reductions of one bucket share: the collective, its op, its process group and the input's dtype."""
+    return node.target, node.args[1], node.args[-1], node.args[0].meta["val"].dtype
 
 
-def _buckets(
-    reductions: list[tuple[fx.Node, fx.Node]], bucket_bytes: int, order: dict[fx.Node, int]
+def plan_buckets(
+    reductions: list[tuple[fx.Node, fx.Node]],
+    bucket_bytes: int,
+    order: dict[fx.Node, int],
+    key: Callable[[fx.Node], Hashable] = reduction_key,
 ) -> list[list[tuple[fx.Node, fx.Node]]]:
-    """Greedy buckets in program order. A reduction joins the open bucket only if no member's result is read
-    before it (the bucket's result exists only where its last member was)."""
+    """Greedy buckets of `(collective, wait)` pairs, in program order (`order`: node -> position).
+
+    A reduction joins the open bucket while the bucket holds less than `bucket_bytes` of inputs, its
+    `key(collective)` is the bucket's, and no member's result is read before it: the bucket's result exists only
+    where its last member was, and every member's input exists there. The passes that bucket put each bucket's
+    reduction there (bucket_gradient_all_reduces here, the grad_exchange pass for compressed ones).
+    """
     buckets: list[list[tuple[fx.Node, fx.Node]]] = []
     size, first_read = 0, 0
     for pair in reductions:
@@ -64,7 +73,7 @@ def _buckets(
         val = collective.args[0].meta["val"]
         nbytes = val.numel() * val.element_size()
         read = min((order[u] for u in wait.users), default=len(order))
-        joins = buckets and size < bucket_bytes and _key(buckets[-1][-1][0]) == _key(collective)
+        joins = buckets and size < bucket_bytes and key(buckets[-1][-1][0]) == key(collective)
         if joins and first_read > order[collective]:
             buckets[-1].append(pair)
             size, first_read = size + nbytes, min(first_read, read)
@@ -87,7 +96,7 @@ def bucket_gradient_all_reduces(gm: fx.GraphModule, bucket_bytes: int | None = N
         return gm
     reductions = _gradient_all_reduces(gm)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    buckets = [b for b in _buckets(reductions, bucket_bytes, order) if len(b) > 1]
+    buckets = [b for b in plan_buckets(reductions, bucket_bytes, order) if len(b) > 1]
     if not buckets:
         return gm
     fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])

@@ -11,6 +11,7 @@ counter is incremented.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -23,15 +24,19 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pt3func import analysis, tree
-from pt3func.compress.formats import Format, Reduction, leaf_seed
+from pt3func.compress.formats import Codec, Format, Reduction, leaf_seed
 from pt3func.compress.state import ExchangeState, LeafState, is_leaf_state, is_state
+from pt3func.config import config
 from pt3func.passes import replace_outputs
-from pt3func.spmd.lower import GRAD_OF
+from pt3func.passes.bucketing import plan_buckets, reduction_key
+from pt3func.spmd.lower import GRAD_OF, _human_bytes
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Set on every node the pass writes: its collectives still exchange a gradient (tagged GRAD_OF with the leaf, for
 # analyses of gradient traffic), but they are already compressed.
 COMPRESSED = "pt3func_compressed"
+# On the nodes of a bucket's compressed reduction: the labels of the leaves it reduces, in bucket order.
+BUCKET = "pt3func_bucket"
 _KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
 # The argument of a step a leaf label starts with: a parameter name, or args[i] for *args.
 _ARG = re.compile(r"([A-Za-z_]\w*|args\[\d+\])(.*)$", re.S)
@@ -84,6 +89,27 @@ def _split_label(label: str) -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m else (label, "")
 
 
+@dataclass
+class _Member:
+    """One gradient reduction to compress, with what its compressed reduction reads and writes."""
+
+    collective: fx.Node
+    wait: fx.Node
+    label: str
+    format: Format  # the leaf's format in this phase
+    reduction: Reduction
+    names: list[str]  # state fields the format keeps for this leaf, in input order
+    shapes: dict[str, tuple[int, ...]]  # each state tensor as the format reads it
+    stored: dict[str, tuple[int, ...]]  # each state tensor as the program stores it (its new value too)
+    state_nodes: list[fx.Node]
+    state_out: LeafState | None
+
+    @property
+    def nbytes(self) -> int:
+        val = self.collective.args[0].meta["val"]
+        return val.numel() * val.element_size()
+
+
 def rewrite(
     gm: fx.GraphModule,
     fmt: Format,
@@ -91,31 +117,85 @@ def rewrite(
     *,
     name: str = "step",
     group_info: Callable[[str], tuple[int, int]] = default_group_info,
+    bucket_bytes: int | None = None,
 ) -> fx.GraphModule:
     """Replace each gradient reduction of `gm` by `fmt`'s compressed reduction (in place); returns `gm`.
 
     `binding` says where the `ExchangeState` is among the inputs and outputs (None: the step has none, which
     is an error only if some leaf's format needs state). `group_info(group_name) -> (size, rank)`.
+
+    Leaves whose format is elementwise (a codec: bf16, fp16, int8, int4) are packed into buckets of about
+    `bucket_bytes` of gradients (None: `pf.config.grad_exchange_bucket_bytes`; 0: one reduction per leaf), each
+    reduced by one compressed reduction (`Codec.reduce_bucket`) where its last member was reduced; see
+    `_buckets`. Top-k and PowerSGD leaves are reduced one by one.
     """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(output_node.args[0])
-    done: set[str] = set()
     changed = False
-    phase = binding.phase if binding is not None else 0
     if fmt.schedule() and binding is None:
         raise GradExchangeError(
             f"{name}: grad_exchange ({fmt.describe()}) changes program at steps {list(fmt.schedule())}, counted by "
             f"the ExchangeState's step, but the step takes no ExchangeState. Build it with state = "
             f"exchange.init(params), pass it to the step and return it unchanged."
         )
+    members = _members(gm, fmt, binding, name, group_info)
+    bucket_bytes = config.grad_exchange_bucket_bytes if bucket_bytes is None else bucket_bytes
+    step_in = None if binding is None else [n for n in gm.graph.nodes if n.op == "placeholder"][binding.step_in]
+    for bucket in _buckets(gm, members, bucket_bytes or 0):
+        leaf_fmt = bucket[0].format
+        inputs = [m.collective.args[0] for m in bucket] + [n for m in bucket for n in m.state_nodes]
+        if leaf_fmt.needs_step:
+            inputs.append(step_in)
+        results = _inline(gm, bucket[-1].collective, functools.partial(_reduce, bucket, leaf_fmt.needs_step),
+                          inputs, _describe(bucket))
+        new_states = iter(results[len(bucket):])
+        for member, result in zip(bucket, results):
+            member.wait.replace_all_uses_with(result)
+            outs = [result if o is member.wait else o for o in outs]  # a reduced gradient returned as it is
+            for field_name in member.names:
+                new_value = next(new_states)
+                pos = None if member.state_out is None else getattr(member.state_out, field_name)
+                if pos is not None:
+                    outs[pos] = new_value
+        for member in bucket:
+            gm.graph.erase_node(member.wait)
+            gm.graph.erase_node(member.collective)
+        changed = True
+    if binding is not None:
+        if binding.step_out is None:
+            raise GradExchangeError(
+                f"{name}: the step takes an ExchangeState but does not return it; return it (unchanged) with the "
+                "optimizer state, so the program can hand back the new residuals and step counter"
+            )
+        with gm.graph.inserting_before(output_node):
+            new_step = gm.graph.call_function(torch.ops.aten.add.Tensor, (step_in, 1))
+            new_step.meta["val"] = step_in.meta["val"] + 1
+            new_step.meta["custom"] = {"pt3func": f"grad_exchange step counter ({fmt.describe()})"}
+        outs[binding.step_out] = new_step
+        changed = True
+    if changed:
+        replace_outputs(gm, outs)
+    return gm
+
+
+def _members(
+    gm: fx.GraphModule,
+    fmt: Format,
+    binding: StateBinding | None,
+    name: str,
+    group_info: Callable[[str], tuple[int, int]],
+) -> list[_Member]:
+    """The gradient reductions `fmt` compresses, in program order, each checked against the state."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    phase = binding.phase if binding is not None else 0
+    done: set[str] = set()
+    members = []
     for collective, wait, label in gradient_reductions(gm):
         if label in done:  # a second reduction of the same leaf (e.g. over another axis) stays exact
             continue
         done.add(label)
         _, path = _split_label(label)
-        x = collective.args[0]
-        shape = tuple(x.meta["val"].shape)
+        shape = tuple(collective.args[0].meta["val"].shape)
         leaf_fmt = fmt.resolve(path, shape)
         if leaf_fmt is not None and not set(leaf_fmt.schedule()) <= set(fmt.schedule()):
             raise GradExchangeError(
@@ -138,10 +218,8 @@ def rewrite(
                 f"(or pf.compress.with_state(opt, exchange)), pass it to the step and return it unchanged."
             )
         state_in, state_out = binding.leaves.get(path, (LeafState(), None)) if binding else (LeafState(), None)
-        names = list(needed)
-        inputs = [x]
-        stored: dict[str, tuple[int, ...]] = {}  # each state tensor's local shape, kept for its new value
-        for field_name in names:
+        member = _Member(collective, wait, label, leaf_fmt, r, list(needed), dict(needed), {}, [], state_out)
+        for field_name in member.names:
             pos = getattr(state_in, field_name)
             if pos is None:
                 raise GradExchangeError(
@@ -158,46 +236,62 @@ def rewrite(
                     f"(gradient shape {list(shape)}). Was the state built for other shardings? Pass the axes that "
                     f"split the data as init(params, data_axes=...) (now {binding.data_axes})."
                 )
-            inputs.append(node)
-            stored[field_name] = tuple(node.meta["val"].shape)
-        with_step = leaf_fmt.needs_step
-        if with_step:
-            inputs.append(placeholders[binding.step_in])
+            member.state_nodes.append(node)
+            member.stored[field_name] = tuple(node.meta["val"].shape)
+        members.append(member)
+    return members
 
-        def compressed(x_val, *rest, _fmt=leaf_fmt, _r=r, _names=names, _shapes=needed, _stored=stored,
-                       _with_step=with_step):
-            state = {n: t.view(_shapes[n]) for n, t in zip(_names, rest)}
-            step = rest[-1] if _with_step else None
-            out, new = _fmt.reduce(x_val, state, step, _r)
-            return [out, *(new[n].reshape(_stored[n]) for n in _names)]
 
-        why = f"grad of {label} ({leaf_fmt.describe()})"
-        results = _inline(gm, collective, compressed, inputs, {"pt3func": why, GRAD_OF: label, COMPRESSED: True})
-        wait.replace_all_uses_with(results[0])
-        gm.graph.erase_node(wait)
-        gm.graph.erase_node(collective)
-        if state_out is not None:
-            for field_name, new_value in zip(names, results[1:]):
-                pos = getattr(state_out, field_name)
-                if pos is not None:
-                    outs[pos] = new_value
-        changed = True
-    if binding is not None:
-        if binding.step_out is None:
-            raise GradExchangeError(
-                f"{name}: the step takes an ExchangeState but does not return it; return it (unchanged) with the "
-                "optimizer state, so the program can hand back the new residuals and step counter"
-            )
-        with gm.graph.inserting_before(output_node):
-            step_in = placeholders[binding.step_in]
-            new_step = gm.graph.call_function(torch.ops.aten.add.Tensor, (step_in, 1))
-            new_step.meta["val"] = step_in.meta["val"] + 1
-            new_step.meta["custom"] = {"pt3func": f"grad_exchange step counter ({fmt.describe()})"}
-        outs[binding.step_out] = new_step
-        changed = True
-    if changed:
-        replace_outputs(gm, outs)
-    return gm
+def _buckets(gm: fx.GraphModule, members: list[_Member], bucket_bytes: int) -> list[list[_Member]]:
+    """The members grouped into the compressed reductions to trace, in program order of their last member.
+
+    Codec leaves (elementwise formats) of one collective, op, group, dtype and leaf format are packed greedily,
+    in program order, by the plain bucketing pass's rule (`bucketing.plan_buckets`): a leaf joins while the
+    bucket holds under `bucket_bytes` of gradients and no member's reduced gradient is read before the leaf's
+    own reduction, so the bucket, reduced where its last member was, has every gradient it needs and delivers
+    every result before its first reader. Leaves of other formats (and all, with `bucket_bytes` 0) are alone.
+    """
+    by_collective = {m.collective: m for m in members}
+    packable = [(m.collective, m.wait) for m in members if bucket_bytes and isinstance(m.format, Codec)]
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    planned = plan_buckets(packable, bucket_bytes, order,
+                           key=lambda c: (reduction_key(c), by_collective[c].format))
+    buckets = [[by_collective[c] for c, _ in pairs] for pairs in planned]
+    packed = {c for c, _ in packable}
+    buckets += [[m] for m in members if m.collective not in packed]
+    return sorted(buckets, key=lambda b: order[b[-1].collective])
+
+
+def _reduce(bucket: list[_Member], with_step: bool, *flat: torch.Tensor) -> list[torch.Tensor]:
+    """The compressed reduction of `bucket` (traced): inputs are the gradients, then each member's state
+    tensors, then the step counter if the format reads it; outputs the results, then the new state tensors."""
+    rest = iter(flat[len(bucket):])
+    xs = list(flat[:len(bucket)])
+    states = [{n: next(rest).view(m.shapes[n]) for n in m.names} for m in bucket]
+    step = next(rest) if with_step else None
+    fmt = bucket[0].format
+    if len(bucket) == 1:
+        out, new = fmt.reduce(xs[0], states[0], step, bucket[0].reduction)
+        outs, news = [out], [new]
+    else:
+        outs, news = fmt.reduce_bucket(xs, states, step, [m.reduction for m in bucket])
+    return [*outs, *(new[n].reshape(m.stored[n]) for m, new in zip(bucket, news) for n in m.names)]
+
+
+def _describe(bucket: list[_Member]) -> dict[str, Any]:
+    """The `meta["custom"]` of a bucket's nodes: its reason in `as_text()` names every leaf it reduces."""
+    what = bucket[0].format.describe()
+    if len(bucket) == 1:
+        label = bucket[0].label
+        return {"pt3func": f"grad of {label} ({what})", GRAD_OF: label, COMPRESSED: True}
+    labels = [m.label for m in bucket]
+    size = _human_bytes(sum(m.nbytes for m in bucket))
+    return {
+        "pt3func": f"grad of {len(bucket)} leaves in one bucket, {size} of gradients ({what}): " + ", ".join(labels),
+        GRAD_OF: ", ".join(labels),
+        COMPRESSED: True,
+        BUCKET: labels,
+    }
 
 
 def _inline(
