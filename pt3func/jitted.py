@@ -321,12 +321,13 @@ class Jitted:
             # after its last use in the graph, which may be while a collective still in flight reads it.
             optimisations += [
                 chunk_cross_entropy,  # the loss head a block of rows at a time: no whole logits
-                keep_backward_in_backward,  # else Inductor computes backward pieces in the forward and keeps them
                 bucket_gradient_all_reduces,
                 issue_collectives_early,
                 sink_waits,
                 order_by_readiness,
             ]
+        if self.backend == "inductor" and config.fence_backward_ops:
+            optimisations.append(keep_backward_in_backward)
         for optimisation in optimisations:
             if optimisation.__name__ not in config.disabled_passes:
                 gm = optimisation(gm)

@@ -82,8 +82,8 @@ def test_idempotent_on_a_program_without_composite_backward_ops():
 
 def test_same_numbers_as_without_the_pass_under_inductor():
     results = []
-    for disabled in ((), ("keep_backward_in_backward",)):
-        pf.config.disabled_passes = frozenset(disabled)
+    for enabled in (True, False):
+        pf.config.fence_backward_ops = enabled
         try:
             jitted = pf.jit(_step)
             params = _params()
@@ -92,7 +92,7 @@ def test_same_numbers_as_without_the_pass_under_inductor():
             nodes = jitted.lower(params, *_batch()).graph_module.graph.nodes
             fences = sum(n.target is aten.where.ScalarSelf for n in nodes)
         finally:
-            pf.config.disabled_passes = frozenset()
+            pf.config.fence_backward_ops = False
         results.append((params, loss, fences))
     (p1, l1, f1), (p2, l2, f2) = results
     assert f1 > 0 and f2 == 0

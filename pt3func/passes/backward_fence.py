@@ -76,8 +76,8 @@ def keep_backward_in_backward(gm: fx.GraphModule) -> fx.GraphModule:
         for value in dict.fromkeys(a for a in forward if a.meta["val"].numel() == largest):
             with graph.inserting_before(node):
                 if gradient not in never_of:
-                    never_of[gradient] = _never(graph, gradient, node)
-                fenced = _select(graph, never_of[gradient], value, node)
+                    never_of[gradient] = never_after(graph, gradient, node)
+                fenced = read_after(graph, never_of[gradient], value, node)
             node.replace_input_with(value, fenced)
             changed = True
     if changed:
@@ -98,7 +98,7 @@ def _fake_mode(val: torch.Tensor) -> contextlib.AbstractContextManager:
     return mode if mode is not None else contextlib.nullcontext()
 
 
-def _never(graph: fx.Graph, gradient: fx.Node, at: fx.Node) -> fx.Node:
+def never_after(graph: fx.Graph, gradient: fx.Node, at: fx.Node) -> fx.Node:
     """A 0-d bool that is always False but computed from one element of `gradient`."""
     val = gradient.meta["val"]
     element = gradient
@@ -117,7 +117,7 @@ def _never(graph: fx.Graph, gradient: fx.Node, at: fx.Node) -> fx.Node:
     return never
 
 
-def _select(graph: fx.Graph, never: fx.Node, value: fx.Node, at: fx.Node) -> fx.Node:
+def read_after(graph: fx.Graph, never: fx.Node, value: fx.Node, at: fx.Node) -> fx.Node:
     val = value.meta["val"]
     zero = False if val.dtype == torch.bool else 0
     node = graph.call_function(aten.where.ScalarSelf, (never, zero, value))

@@ -41,6 +41,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from pt3func.config import config
+from pt3func.passes.backward_fence import never_after, read_after
 
 log = logging.getLogger("pt3func.jit")
 aten = torch.ops.aten
@@ -272,8 +273,14 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
     sums: list[fx.Node] = []
     rows: list[list[fx.Node]] = [[] for _ in head.row_users]
     acc: list[fx.Node | None] = [None for _ in head.transposed_users]
+    last: fx.Node | None = None  # the previous chunk's last value
     for lo, hi in zip(bounds, bounds[1:]):
         h_c = b(aten.slice.Tensor, (h, 0, lo, hi), fwd_like)
+        if last is not None:
+            # Chunks are independent, so a compiler may run all the logits matmuls first (Inductor does), which
+            # keeps every chunk's logits alive. Reading h through the previous chunk's result orders them.
+            with graph.inserting_before(at):
+                h_c = read_after(graph, never_after(graph, last, at), h_c, at)
         logits = b(aten.mm.default, (h_c, wt), head.matmul)
         if logits.meta["val"].dtype != ls_val.dtype:
             logits = b(aten._to_copy.default, (logits,), fwd_like, dtype=ls_val.dtype)
@@ -292,6 +299,7 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
         for k, (user, z) in enumerate(zip(head.transposed_users, col_operands)):
             z_c = b(aten.slice.Tensor, (z, 0, lo, hi), user)
             acc[k] = _accumulate(b, acc[k], g_t, z_c, user)
+        last = acc[-1] if acc else rows[-1][-1]
     loss = sums[0]
     for s in sums[1:]:
         loss = b(aten.add.Tensor, (loss, s), head.loss_forward)
