@@ -10,8 +10,8 @@ def _disabled_from_env() -> frozenset[str]:
     return frozenset(name.strip() for name in os.environ.get("PT3FUNC_DISABLE_PASSES", "").split(",") if name.strip())
 
 
-def _bucket_bytes_from_env(default: int) -> int | None:
-    value = os.environ.get("PT3FUNC_GRAD_EXCHANGE_BUCKET_BYTES", "").strip()
+def _int_from_env(name: str, default: int) -> int | None:
+    value = os.environ.get(name, "").strip()
     return int(value) if value else default
 
 
@@ -40,7 +40,9 @@ class Config:
     Off by default: on 2 H200s over NVLink the anchor step ran 2% slower bucketed (47.7 vs 46.7 ms), the copies
     into the buckets costing more than the fewer, larger all-reduces save there. Slower links may differ."""
 
-    grad_exchange_bucket_bytes: int | None = field(default_factory=lambda: _bucket_bytes_from_env(64 * 2**20))
+    grad_exchange_bucket_bytes: int | None = field(
+        default_factory=lambda: _int_from_env("PT3FUNC_GRAD_EXCHANGE_BUCKET_BYTES", 64 * 2**20)
+    )
     """Compressed gradient exchange (`pf.jit(grad_exchange=...)`) of elementwise formats (bf16, fp16, int8, int4):
     pack consecutive gradient reductions into buckets of about this many bytes of gradients, one compressed
     reduction each (pt3func/passes/grad_exchange.py); None or 0: one per leaf. 64 MiB by default: per leaf, int8 +
@@ -48,10 +50,11 @@ class Config:
     than DDP's 25 MiB fp32 one. Also read from PT3FUNC_GRAD_EXCHANGE_BUCKET_BYTES; applies to programs lowered
     after it is set."""
 
-    loss_chunk_bytes: int | None = 256 * 2**20
+    loss_chunk_bytes: int | None = field(default_factory=lambda: _int_from_env("PT3FUNC_LOSS_CHUNK_BYTES", 256 * 2**20))
     """Inductor-compiled programs whose loss is `cross_entropy(h @ W.T, targets)` compute it, its gradient and
     the gradient's matmuls a block of rows at a time, with at most this many bytes of fp32 logits per block
-    (pt3func/passes/chunked_loss.py): the whole logits and their gradient never exist at once. None or 0: off."""
+    (pt3func/passes/chunked_loss.py): the whole logits and their gradient never exist at once. None or 0: off.
+    Also read from PT3FUNC_LOSS_CHUNK_BYTES."""
 
     fence_backward_ops: bool = False
     """Read the forward inputs of composite backward ops (LayerNorm's, GELU's, softmax's) behind their incoming
