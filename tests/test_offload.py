@@ -357,7 +357,11 @@ def test_cuda_same_numbers(backend, overlap, monkeypatch):
             params, opt_state, loss = step(params, opt_state, x, y)
             losses.append(loss)
         runs.append((torch.stack(losses), params))
-    assert_same(runs[0], runs[1])
+    if backend == "eager":
+        assert_same(runs[0], runs[1])
+    else:  # the same kernels on CPU (test above); on the GPU allow last-bit differences of another fusion
+        for u, v in zip(pf.tree.leaves(runs[0]), pf.tree.leaves(runs[1])):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
     assert not ro._hosts and not ro._h2d and not ro._d2h_events
 
 
@@ -407,3 +411,31 @@ def test_benchmark_counts_copy_time_under_kernels(tmp_path):
     assert out["DtoH"] == dict(copies_per_step=1, mib_per_step=4.0, ms_per_step=0.1, overlapped_with_kernels=0.5,
                                streams=[13])
     assert out["HtoD"]["overlapped_with_kernels"] == 1.0 and out["kernel_streams"] == [7]
+
+
+@cuda
+@pytest.mark.parametrize("overlap", ["1", "0"])
+def test_cuda_copies_leave_the_compute_stream(overlap, monkeypatch, tmp_path):
+    """With overlap the copies run on a stream no kernel runs on; without, on the kernels' stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv(ro.OVERLAP_ENV, overlap)
+    step_fn, opt = make_step(CP.offload_to_host("mlp_in"))
+    params = pf.tree.map(lambda t: t.cuda(), init_params())
+    opt_state = opt.init(params)
+    x, y = torch.randn(2, 8, D, device="cuda"), torch.randn(2, 8, D, device="cuda")
+    step = pf.jit(step_fn, backend="eager")
+    params, opt_state, _ = step(params, opt_state, x, y)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(params, opt_state, x, y)
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    value_bytes = 2 * 8 * FF * 4
+    copies = _benchmark().copy_overlap(str(trace), steps=1, min_bytes=value_bytes)
+    kernel_streams = set(copies["kernel_streams"])
+    for direction in ("DtoH", "HtoD"):
+        assert copies[direction]["copies_per_step"] == N_BLOCKS
+        streams = set(copies[direction]["streams"])
+        assert streams.isdisjoint(kernel_streams) if overlap == "1" else streams <= kernel_streams, copies
