@@ -1,6 +1,7 @@
 """Bandwidth of the blockwise quantisation kernels against a device-to-device copy measured in the same run.
 
     python benchmarks/quant_kernels.py --out benchmarks/results/quant_kernels_h200.json   # GPU: 64 MiB, 256 MiB, 1 GiB
+    python benchmarks/quant_kernels.py --no-compile --kernels int4 --paths pairs          # GPU: a shorter run
     python benchmarks/quant_kernels.py --device cpu --sizes small                         # smoke run, seconds
 
 For each buffer size (fp32 input) and each kernel (int8 / int4 quantise, round-to-nearest or stochastic, with or
