@@ -455,9 +455,31 @@ def dump_program(code: str | None, path: str, device_type: str) -> None:
     replay = wrapper_memory(code, device_type)
     if replay is None:
         return
-    print(f"program peak {replay.peak_bytes / 2**30:.3g} GiB beyond its arguments, at: {replay.peak_statement[:160]}")
-    for name, size in replay.live_at_peak[:25]:
-        print(f"  {name:>12} {size / 2**20:10.1f} MiB")
+    lines = code[code.index("def call(") :].splitlines()
+    peak_line = next((i for i, line in enumerate(lines) if replay.peak_statement in line), -1)
+    print(f"program peak {replay.peak_bytes / 2**30:.3g} GiB beyond its arguments, at line {peak_line} of "
+          f"{len(lines)}: {replay.peak_statement[:160]}")
+    by_writer: dict[str, list[int]] = {}
+    for name, size in replay.live_at_peak:
+        by_writer.setdefault(_writer(lines, name), []).append(size)
+    # Grouped by the kernel that wrote them (the line number is where it runs), largest groups first.
+    for writer, sizes in sorted(by_writer.items(), key=lambda item: -sum(item[1]))[:30]:
+        print(f"  {sum(sizes) / 2**20:9.1f} MiB in {len(sizes):3d} x {writer}")
+
+
+def _writer(lines: list[str], name: str) -> str:
+    """`line: kernel` of the first call after `name`'s allocation that passes it, numbers stripped from the name."""
+    import re
+
+    start = next((i for i, line in enumerate(lines) if re.match(rf"\s*{name} = ", line)), None)
+    if start is None:
+        return "?"
+    for i in range(start, min(start + 80, len(lines))):
+        text = lines[i].strip()
+        if re.search(rf"\b{name}\b", text) and "(" in text and not text.startswith((f"{name} =", "del ", "#")):
+            kernel = re.sub(r"_\d+$", "", text.split("(")[0])
+            return f"line {i}: {kernel[:110]}"
+    return f"line {start}: {lines[start].strip()[:110]}"
 
 
 def _hold(path: str | None) -> Any:
