@@ -137,10 +137,13 @@ def test_only_elementwise_formats_are_bucketed():
         "grad of 2 leaves in one bucket, 2.2 KiB of gradients (bf16): params['a'], params['c']",
         "grad of 2 leaves in one bucket, 2.2 KiB of gradients (bf16): params['a'], params['c']",
     ]
-    # Different formats never share a bucket; uncompressed leaves (skip_small) keep their all-reduce.
+    # Different formats never share a bucket, and do not split one another's: a and c still share theirs.
     gm = _three_reductions()
     two = C.per_leaf(lambda path, shape: C.fp16() if "b" in path else C.bf16())
-    assert len(_collectives(grad_exchange.rewrite(gm, two, group_info=lambda n: (4, 0), bucket_bytes=1 << 20))) == 6
+    got = _collectives(grad_exchange.rewrite(gm, two, group_info=lambda n: (4, 0), bucket_bytes=1 << 20))
+    assert [why.split(":")[0] for _, _, why in got] == ["grad of params['b'] (fp16)"] * 2 + [
+        "grad of 2 leaves in one bucket, 2.2 KiB of gradients (bf16)"] * 2
+    # Uncompressed leaves (skip_small) keep their all-reduce.
     gm = _three_reductions()
     small = C.skip_small(C.bf16(), 50)  # b (40 elements) stays fp32; a and c share a bucket around it
     got = _collectives(grad_exchange.rewrite(gm, small, group_info=lambda n: (4, 0), bucket_bytes=1 << 20))

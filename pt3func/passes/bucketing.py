@@ -6,7 +6,8 @@ Data parallel traces one all-reduce per parameter, in the order the backward pro
 all-reduces are slow on NCCL: each launches its own kernel, and below a few MiB NCCL uses its low-latency
 protocol, whose bandwidth is a fraction of the link's. DDP therefore packs gradients into buckets (25 MiB by
 default); this pass does the same on the static program: consecutive gradient all-reduces of one group, op and
-dtype are replaced by `cat` of the flattened gradients, one all-reduce, one wait, and views of the result.
+dtype (consecutive among those: others in between do not split a bucket) are replaced by `cat` of the flattened
+gradients, one all-reduce, one wait, and views of the result.
 
 The bucket's all-reduce goes where its last member was (every gradient of the bucket exists there), so a
 bucket is in flight while the backward computes the next one's gradients, as in DDP. The values are those of
@@ -61,25 +62,28 @@ def plan_buckets(
 ) -> list[list[tuple[fx.Node, fx.Node]]]:
     """Greedy buckets of `(collective, wait)` pairs, in program order (`order`: node -> position).
 
-    A reduction joins the open bucket while the bucket holds less than `bucket_bytes` of inputs, its
-    `key(collective)` is the bucket's, and no member's result is read before it: the bucket's result exists only
-    where its last member was, and every member's input exists there. The passes that bucket put each bucket's
-    reduction there (bucket_gradient_all_reduces here, the grad_exchange pass for compressed ones).
+    One bucket is open per `key(collective)` (the reductions of other keys in between do not close it). A
+    reduction joins its key's open bucket while that holds less than `bucket_bytes` of inputs and no member's
+    result is read before the reduction: the bucket's result exists only where its last member was, and every
+    member's input exists there. The passes that bucket put each bucket's reduction there
+    (bucket_gradient_all_reduces here, the grad_exchange pass for compressed ones). Buckets come in the order of
+    their first members.
     """
     buckets: list[list[tuple[fx.Node, fx.Node]]] = []
-    size, first_read = 0, 0
+    open_buckets: dict[Hashable, tuple[int, int, int]] = {}  # key -> (index in buckets, bytes, first read)
     for pair in reductions:
         collective, wait = pair
         val = collective.args[0].meta["val"]
         nbytes = val.numel() * val.element_size()
         read = min((order[u] for u in wait.users), default=len(order))
-        joins = buckets and size < bucket_bytes and key(buckets[-1][-1][0]) == key(collective)
-        if joins and first_read > order[collective]:
-            buckets[-1].append(pair)
-            size, first_read = size + nbytes, min(first_read, read)
+        k = key(collective)
+        index, size, first_read = open_buckets.get(k, (-1, 0, 0))
+        if index >= 0 and size < bucket_bytes and first_read > order[collective]:
+            buckets[index].append(pair)
+            open_buckets[k] = (index, size + nbytes, min(first_read, read))
         else:
+            open_buckets[k] = (len(buckets), nbytes, read)
             buckets.append([pair])
-            size, first_read = nbytes, read
     return buckets
 
 
@@ -88,8 +92,8 @@ def bucket_gradient_all_reduces(gm: fx.GraphModule, bucket_bytes: int | None = N
 
     `bucket_bytes` None reads `pf.config.gradient_bucket_bytes`; where that is None too, `gm` is left as it is.
 
-    A bucket closes once it holds `bucket_bytes` or more, or where the next gradient has another group, op or
-    dtype; a bucket of one is left as it is.
+    A bucket closes once it holds `bucket_bytes` or more, or where one of its results is read before the next
+    gradient of its group, op and dtype is reduced (`plan_buckets`); a bucket of one is left as it is.
     """
     bucket_bytes = config.gradient_bucket_bytes if bucket_bytes is None else bucket_bytes
     if not bucket_bytes:

@@ -7,6 +7,14 @@ mode) on values of the node's shape, with the group name, group size and this de
 (the program is per device), and its graph is inlined where the collective was. Error-feedback state enters as
 the program inputs of an `ExchangeState` and its new values go out through the same state's outputs; the step
 counter is incremented.
+
+Reductions of the elementwise formats (codecs: bf16, fp16, int8, int4) are bucketed first: per leaf, each costs
+its own encode, collectives and decode, which made the anchor GPT's int8 exchange launch-bound on GPUs (2,417
+kernels a step). Reductions of one collective, op, group, dtype and leaf format are packed in program order
+into buckets of about `pf.config.grad_exchange_bucket_bytes` of gradients by the plain bucketing pass's rule
+(`bucketing.plan_buckets`), and each bucket is one compressed reduction (`Codec.reduce_bucket`) traced where its
+last member was. The state stays per leaf: each leaf's residuals go in and come out as they do per leaf, and
+the bucket's layout (`formats.two_phase_bucket`) makes every value the per-leaf one.
 """
 
 from __future__ import annotations
