@@ -16,13 +16,11 @@ run before it; the select fuses into the op's kernels as one scalar load. Values
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
-from pt3func.passes.remat import alias_root, custom, is_backward
+from pt3func.passes.fence import never_after, read_after
+from pt3func.passes.remat import alias_root, is_backward
 
 aten = torch.ops.aten
 
@@ -84,43 +82,3 @@ def keep_backward_in_backward(gm: fx.GraphModule) -> fx.GraphModule:
         graph.lint()
         gm.recompile()
     return gm
-
-
-def _meta(node: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
-    # Tagged as the backward op it serves: analyses count it as backward, and it is not saved for it.
-    node.meta = {"custom": {**custom(like), "pt3func": f"{custom(like).get('pt3func')} (fence)"}, "val": val}
-    if "stack_trace" in like.meta:
-        node.meta["stack_trace"] = like.meta["stack_trace"]
-
-
-def _fake_mode(val: torch.Tensor) -> contextlib.AbstractContextManager:
-    mode = detect_fake_mode([val])
-    return mode if mode is not None else contextlib.nullcontext()
-
-
-def never_after(graph: fx.Graph, gradient: fx.Node, at: fx.Node) -> fx.Node:
-    """A 0-d bool that is always False but computed from one element of `gradient`."""
-    val = gradient.meta["val"]
-    element = gradient
-    with _fake_mode(val):
-        elem_val = val
-        for _ in range(val.dim()):
-            element = graph.call_function(aten.select.int, (element, 0, 0))
-            elem_val = elem_val.select(0, 0)
-            _meta(element, at, elem_val)
-        nan = graph.call_function(aten.isnan.default, (element,))
-        _meta(nan, at, torch.isnan(elem_val))
-        inf = graph.call_function(aten.isinf.default, (element,))
-        _meta(inf, at, torch.isinf(elem_val))
-        never = graph.call_function(aten.logical_and.default, (nan, inf))
-        _meta(never, at, torch.logical_and(torch.isnan(elem_val), torch.isinf(elem_val)))
-    return never
-
-
-def read_after(graph: fx.Graph, never: fx.Node, value: fx.Node, at: fx.Node) -> fx.Node:
-    val = value.meta["val"]
-    zero = False if val.dtype == torch.bool else 0
-    node = graph.call_function(aten.where.ScalarSelf, (never, zero, value))
-    with _fake_mode(val):
-        _meta(node, at, torch.where(never.meta["val"], zero, val))
-    return node

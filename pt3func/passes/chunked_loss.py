@@ -41,7 +41,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from pt3func.config import config
-from pt3func.passes.backward_fence import never_after, read_after
+from pt3func.passes.fence import never_after, read_after
 
 log = logging.getLogger("pt3func.jit")
 aten = torch.ops.aten

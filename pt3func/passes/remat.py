@@ -19,7 +19,6 @@ Never recomputed (always kept when the backward needs them):
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from pt3func.passes.fence import never_after, read_after
 from pt3func.trace.capture import mutated_args
 
 REGION_KEY = "pt3func_remat"  # "3" or "1/3" (nested): the checkpoint region a forward node was recorded in
@@ -499,8 +499,8 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
         if inp not in fences:
             with graph.inserting_before(node):
                 if never is None:
-                    never = _never(graph, token, node)
-                fences[inp] = _select(graph, never, inp, node)
+                    never = never_after(graph, token, node, _remat_tag)
+                fences[inp] = read_after(graph, never, inp, node, _remat_tag)
             fenced = True
         node.replace_input_with(inp, fences[inp])
     if fenced:
@@ -509,42 +509,5 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _fence_meta(node: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
-    node.meta = {"custom": {**custom(like), "pt3func": f"remat of %{like.name} (fence)"}, "val": val}
-    if "stack_trace" in like.meta:
-        node.meta["stack_trace"] = like.meta["stack_trace"]
-
-
-def _never(graph: fx.Graph, token: fx.Node, at: fx.Node) -> fx.Node:
-    """A 0-d bool that is always False but computed from `token` (one element of it)."""
-    from torch._guards import detect_fake_mode
-
-    val = token.meta["val"]
-    mode = detect_fake_mode([val])
-    element = token
-    with mode if mode is not None else contextlib.nullcontext():
-        elem_val = val
-        for _ in range(val.dim()):
-            element = graph.call_function(torch.ops.aten.select.int, (element, 0, 0))
-            elem_val = elem_val.select(0, 0)
-            _fence_meta(element, at, elem_val)
-        nan = graph.call_function(torch.ops.aten.isnan.default, (element,))
-        _fence_meta(nan, at, torch.isnan(elem_val))
-        inf = graph.call_function(torch.ops.aten.isinf.default, (element,))
-        _fence_meta(inf, at, torch.isinf(elem_val))
-        never = graph.call_function(torch.ops.aten.logical_and.default, (nan, inf))
-        _fence_meta(never, at, torch.logical_and(torch.isnan(elem_val), torch.isinf(elem_val)))
-    return never
-
-
-def _select(graph: fx.Graph, never: fx.Node, value: fx.Node, at: fx.Node) -> fx.Node:
-    from torch._guards import detect_fake_mode
-
-    val = value.meta["val"]
-    zero = False if val.dtype == torch.bool else 0
-    node = graph.call_function(torch.ops.aten.where.ScalarSelf, (never, zero, value))
-    mode = detect_fake_mode([val])
-    with mode if mode is not None else contextlib.nullcontext():
-        out = torch.where(never.meta["val"], zero, val)
-    _fence_meta(node, at, out)
-    return node
+def _remat_tag(like: fx.Node) -> str:
+    return f"remat of %{like.name} (fence)"
