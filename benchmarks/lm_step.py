@@ -16,6 +16,8 @@ weight_decay=0.01) from `pf.optim`. The params are a nested dict; the whole step
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp     # batch sharded
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding fsdp   # + params and state
     torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp --grad-exchange int8
+    torchrun --standalone --nproc-per-node 2 benchmarks/lm_step.py --sharding dp --grad-exchange int8 \\
+        --exchange-bucket-mib 0                                   # one compressed reduction per leaf
     python benchmarks/lm_step.py --layers 2 --d 64 --heads 4 --seq 32 --batch 2 --vocab 256 --steps 3 \\
         --device cpu --threads 1
 
