@@ -219,6 +219,47 @@ def test_pair_kernels_refuse_buffers_they_cannot_read(interpreter_results):
     assert interpreter_results["pair kernel refusals"] == ""
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable here")
+def test_default_kernel_choice(monkeypatch):
+    """int4 takes the pair kernels unless the buffers forbid them, int8 the element kernels (the defaults), and
+    `pairs=` overrides: recorded by stand-in launchers, so nothing runs (the interpreter cases check the bits)."""
+    from pt3func.kernels import triton_quant
+
+    launched = []
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(self.name)
+
+    for name in ("_quantize_kernel", "_quantize_pairs_kernel", "_dequantize_kernel", "_dequantize_pairs_kernel"):
+        monkeypatch.setattr(triton_quant, name, Launcher("pairs" if "pairs" in name else "elements"))
+
+    def quantize(x, bits, **kw):
+        launched.clear()
+        triton_quant.quantize_blockwise(x, bits, 64, **kw)
+        return launched[0]
+
+    def dequantize(bits, numel, **kw):
+        launched.clear()
+        triton_quant.dequantize_blockwise(torch.zeros(128 if bits == 8 else 64, dtype=torch.uint8), torch.zeros(2),
+                                          bits, 64, numel, **kw)
+        return launched[0]
+
+    x = torch.randn(129)
+    assert quantize(x[:128], 4) == "pairs" and quantize(x[:128].bfloat16(), 4) == "pairs"
+    assert quantize(x[1:], 4) == "elements"  # a view at an odd element
+    assert quantize(x[:127], 4) == "elements"  # odd length
+    assert quantize(x[:128].double(), 4) == "elements"
+    assert quantize(x[:128], 4, residual=x[1:]) == "elements" and quantize(x[:128], 4, residual=x[:128]) == "pairs"
+    assert quantize(x[:128], 4, pairs=False) == "elements"
+    assert quantize(x[:128], 8) == "elements" and quantize(x[:128], 8, pairs=True) == "pairs"
+    assert dequantize(4, 128) == "pairs" and dequantize(4, 127) == "elements"
+    assert dequantize(8, 128) == "elements" and dequantize(8, 128, pairs=True) == "pairs"
+
+
 # The interpreter cases that depend on how the hardware treats NaN, ties, subnormals and alignment: on a GPU
 # NaN + 1.5 * 2**23 is the canonical NaN (low byte 0xFF, where numpy keeps 0x7FC00000), fmin / fmax drop NaN
 # (numpy propagates it), and misaligned views are real addresses.
