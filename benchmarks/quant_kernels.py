@@ -37,12 +37,12 @@ SIZES = {"gpu": [64 * 2**20, 256 * 2**20, 2**30], "small": [16 * 2**10, 64 * 2**
 # (elements per program, warps): the sweep of the element kernels, besides each kernel's default
 # (triton_quant.default_config).
 SWEEP = [(1024, 2), (1024, 4), (2048, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4), (8192, 4)]
-# The pair kernels' sweep. A thread holds min(16, words / threads) contiguous words (Triton sizes the tile's layout
-# to the uint8 q store, 16 bytes), so 2048 x 2 and 4096 x 4 give 16 (128 bytes of fp32 per thread), 2048 x 4 and
-# 1024 x 2 give 8; 512 x 4 and 1024 x 8 give 2, the only tiles where int4 dequantise needs no shared memory
-# (its int64 stores hold 2 words per thread).
-SWEEP_PAIRS = [(512, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4),
-               (4096, 8), (8192, 4), (8192, 8)]
+# The pair kernels' sweep. In quantise a thread holds runs of min(16, words / threads) contiguous words (Triton
+# sizes the tile's layout to the uint8 q store, 16 bytes), so 2048 x 2 and 4096 x 4 give 16 (128 bytes of fp32),
+# 2048 x 4 and 1024 x 2 give 8, 512 x 4 and 1024 x 8 give 2; one warp per program (1024 x 1, 2048 x 1) did best
+# for the element kernels with stochastic rounding in run 3. Dequantise always stores runs of 2 words.
+SWEEP_PAIRS = [(512, 4), (1024, 1), (1024, 2), (1024, 4), (1024, 8), (2048, 1), (2048, 2), (2048, 4), (4096, 2),
+               (4096, 4), (4096, 8), (8192, 4), (8192, 8)]
 PATHS = {"both": (True, False), "pairs": (True,), "elements": (False,)}
 
 
