@@ -44,8 +44,8 @@ _DITHER_SHIFT = tl.constexpr(1.5 - 2.0**-17)  # (1 + b * 2**-16) - this = (b + 1
 # of benchmarks/quant_kernels.py's sweep over 64 MiB - 1 GiB on an H200 (results/quant_kernels_h200_run2.json);
 # kernels that write little per element (int4, no residual) want more elements per thread. The pair kernels
 # (int4) were chosen from the sm_90 code Triton 3.6 generates, not yet measured on the GPU: no shared memory
-# (except with a residual), 13 instead of 25 instructions per element for int4 quantise, 23 instead of 35 with
-# stochastic rounding, 7 instead of 8.5 for int4 dequantise at 2048 x 2.
+# (except with a residual), 11 instead of 24 instructions per element for int4 quantise at 2048 x 2, 22 instead
+# of 35 with stochastic rounding, 7 for int4 dequantise at 2048 x 2 against 14 at the element kernel's 1024 x 4.
 _CONFIGS = {
     "int8 quantise+ef": (1024, 2, False),
     "int4 quantise+ef": (1024, 2, True),
@@ -240,9 +240,9 @@ def _dequantize_kernel(
 # The pair kernels: the same computation on words that each hold two neighbouring elements (2j, 2j + 1), the
 # int4 nibble pair (and the dither pair) of byte j. The wrappers view fp32 buffers as int64 and bf16 / fp16 ones as
 # int32, so no kernel reshapes, splits or joins a tile: on sm_90 those became shared-memory round trips with
-# barriers (the layout of the (rows, pairs, 2) view differs from that of the loads), and int4 stored one byte per
-# instruction. Here a tile is (BPP, WIDTH // 2) words, one row per block; every load and store is a contiguous
-# run of words and the even / odd elements are the low / high halves of a word (register moves, no shuffles).
+# barriers (the layout of the (rows, pairs, 2) view differs from that of the loads). Here a tile is
+# (BPP, WIDTH // 2) words, one row per block; every load and store is a contiguous run of words and the even / odd
+# elements are the low / high halves of a word (register moves, no shuffles).
 
 
 @triton.jit
