@@ -6,6 +6,8 @@
     sudo .venv/bin/python benchmarks/compression.py --parts slowlink --rate 100mbit --tag cpu_100mbit
     .venv/bin/python benchmarks/compression.py --parts wire,error,converge --tag gpt_warmup \
         --formats 'fp32,topk 1%+EF+warmup,powersgd r4+warmup'  # the warm-up rows only (~15 min)
+    .venv/bin/python benchmarks/compression.py --parts wire,converge --tag gpt_sweep \
+        --formats "fp32,$(.venv/bin/python benchmarks/compression.py --list-sweep)"  # where the bound is met (~12 min)
     .venv/bin/python benchmarks/compression.py --smoke         # a few steps of everything, tiny models
     python benchmarks/compression.py --gpu                     # 2 GPUs: the anchor step, fp32/bf16/int8+EF exchange
 
@@ -93,7 +95,16 @@ FORMATS: dict[str, tuple[str | None, float | None]] = {
     "topk 1%+EF+warmup": ("skip_small(topk(ratio=0.01, error_feedback=True, dense_steps=30, warmup_steps=60), "
                           "min_numel=256)", 0.03),
     "powersgd r4+warmup": ("powersgd(rank=4, dense_steps=30)", 0.03),
+    # Not in a default run (--list-sweep names them): how much more than top-k 1% / PowerSGD rank 4 must be sent
+    # before the 3% bound is met, and the dense start of 1-bit Adam (Tang et al. 2021: 15-25% of the steps).
+    # Top-k 25% sends as many bytes as the fp32 all-reduce at 4 ranks (all-gather of values and indices).
+    "topk 25%+EF+warmup": ("skip_small(topk(ratio=0.25, error_feedback=True, dense_steps=30), min_numel=256)", 0.03),
+    "powersgd r8+warmup": ("powersgd(rank=8, dense_steps=30)", 0.03),
+    "powersgd r16+warmup": ("powersgd(rank=16, dense_steps=30)", 0.03),
+    "topk 1%+EF+warmup60": ("skip_small(topk(ratio=0.01, error_feedback=True, dense_steps=60, warmup_steps=60), "
+                            "min_numel=256)", 0.03),
 }
+SWEEP = ("topk 25%+EF+warmup", "powersgd r8+warmup", "powersgd r16+warmup", "topk 1%+EF+warmup60")
 SLOWLINK_FORMATS = ("fp32", "bf16", "int8+EF")
 PARTS = ("wire", "error", "converge", "slowlink")
 
@@ -102,7 +113,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = p.add_argument
     add("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    add("--formats", default=",".join(FORMATS), help="comma-separated subset of the rows")
+    add("--formats", default=",".join(f for f in FORMATS if f not in SWEEP), help="comma-separated subset of the rows")
+    add("--list-sweep", action="store_true", help="print the rows of the byte-budget sweep (not run by default)")
     add("--define", default=None,
         help="extra rows, 'name=pf.compress call;name2=...' (e.g. 'topk 5%%=topk(0.05)'), bound 3%%, for experiments")
     add("--smoke", action="store_true", help="a few steps of every part on tiny models (for a test)")
@@ -838,6 +850,9 @@ def gpu_main(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    if a.list_sweep:
+        print(",".join(SWEEP))
+        return {}
     if a.worker:
         worker_main(a)
         return {}

@@ -1,0 +1,356 @@
+"""A one-process simulation of `compression.py`'s convergence part, for trying exchange ideas in seconds.
+
+    .venv/bin/python benchmarks/compression_sim.py                                   # fp32: val loss 1.6981
+    .venv/bin/python benchmarks/compression_sim.py --fmt topk --dense 30 --ramp 60   # the "+warmup" top-k row
+    .venv/bin/python benchmarks/compression_sim.py --fmt powersgd --dense 60 --freeze 60
+    .venv/bin/python benchmarks/compression_sim.py --smoke                           # a few steps (for a test)
+
+`compression.py` trains the char GPT data-parallel on 4 gloo processes through `pf.jit(grad_exchange=...)`:
+~4 minutes per format on 2 cores. This script runs the same training in one process and one thread (~40 s):
+the same model, init, batches (rank r gets rows 8r..8r+7 of each 32-row batch), clipping, AdamW and
+warmup-cosine schedule, validation batches; each rank's gradient is computed on its own rows and the exchange
+is simulated on the host. The tied embedding's lookup gradient is exact, as in the sharded program, where
+DTensor all-gathers the output gradient instead of reducing it; only the head's part is compressed. The fp32
+run reproduces `compression.py`'s val loss 1.6981 to the printed digits; the warm-up rows land within 1-3% of
+the real runs (2.099 vs 2.031 top-k, 1.859 vs 1.843 PowerSGD): good for ranking ideas, not for the table.
+
+Exchanges (`--fmt`): none, topk (per-rank top-k of each 2-D leaf, 1-D leaves dense, error feedback), powersgd
+(rank-r power iteration with warm start and error feedback, torch's 2x minimum compression). Options that
+`pf.compress` does not have are the ideas tried against issue 6's convergence bound (README, "Compression
+benchmarks"):
+
+- `--freeze N`: Adam's second moment frozen after N steps (1-bit Adam, Tang et al. 2021).
+- `--onebit 1`: 1-bit Adam's compression stage after the dense steps: each rank compresses its momentum
+  b1 m + (1 - b1) g_r (m: the last exchanged momentum) with error feedback, the exchanged mean is the new m and
+  the update is m / sqrt(v frozen at the switch); gradients are clipped by the exact global norm first.
+- `--ef21 E`: EF21 (Richtarik et al. 2021): each rank compresses the difference between its (E = 1: gradient,
+  E < 1: momentum with weight E, EF21-SGDM) and its last sent estimate; the optimizer sees the running mean of
+  the estimates.
+- `--agree 1|2|3`: top-k indices agreed across ranks (1: a rotating leader's, 2: the union of every rank's,
+  3: the top-k of the ranks' mean, an oracle); each selected value is then the exact mean.
+- `--selnu B --sel S`: select top-k by |v| / nu^S, nu a rank's EMA (decay B) of its squared gradient.
+- `--iters K`: PowerSGD power iterations per step.
+- `--only RE` / `--skip RE`: compress only the leaves whose path matches (or does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import data as chardata  # noqa: E402
+import gpt  # noqa: E402
+
+import pt3func as pf  # noqa: E402
+
+B1, B2, EPS, WEIGHT_DECAY, CLIP = 0.9, 0.95, 1e-8, 0.1, 1.0  # examples/char_lm.py's make_optimizer
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--fmt", choices=("none", "topk", "powersgd"), default="none")
+    add("--ratio", type=float, default=0.01, help="top-k: kept fraction per rank and leaf")
+    add("--rank", type=int, default=4, help="powersgd: rank")
+    add("--iters", type=int, default=1, help="powersgd: power iterations per step")
+    add("--dense", type=int, default=0, help="uncompressed first steps")
+    add("--ramp", type=int, default=0, help="top-k: DGC's sparsity warm-up (25%%, 6.25%%, ...) over this many steps")
+    add("--ef", type=int, default=1, help="error feedback (0: off)")
+    add("--freeze", type=int, default=-1, help="freeze Adam's second moment after this many steps (-1: never)")
+    add("--onebit", type=int, default=0, help="1-bit Adam's compression stage after --dense steps")
+    add("--ef21", type=float, default=0.0, help="EF21 (1) or EF21-SGDM with this momentum weight (< 1)")
+    add("--agree", type=int, default=0, help="top-k indices agreed: 1 rotating leader, 2 union, 3 oracle mean")
+    add("--selnu", type=float, default=0.0, help="top-k: select by |v| / nu^sel, nu a local EMA with this decay")
+    add("--sel", type=float, default=0.0)
+    add("--only", default="", help="compress only leaves whose path matches this regex")
+    add("--skip", default="", help="leave leaves whose path matches this regex uncompressed")
+    add("--steps", type=int, default=300)
+    add("--seed", type=int, default=0, help="init seed (the batches stay compression.py's)")
+    add("--d-model", type=int, default=128)
+    add("--lr", type=float, default=3e-3)
+    add("--ranks", type=int, default=4)
+    add("--smoke", action="store_true", help="5 steps, 2 validation batches")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.steps = 5
+    return a
+
+
+class Sim:
+    """The training run: params as a flat list of leaves, per-rank exchange state, AdamW state."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.world = a.ranks
+        self.dataset = chardata.load_dataset(1_000_000)
+        self.config = gpt.GPTConfig(vocab=self.dataset.vocab_size, seq=64, d_model=a.d_model, n_layers=2, n_heads=4)
+        params = gpt.init_params(self.config, seed=a.seed)
+        self.treedef = pf.tree.structure(params)
+        self.names = [pf.tree.keystr(path) for path in pf.tree.paths(params)]
+        self.params = [x.clone() for x in pf.tree.leaves(params)]
+        self.shapes = [x.shape for x in self.params]
+        self.wte = self.names.index("['wte']")
+        zeros = [torch.zeros(s) for s in self.shapes]
+        per_rank = lambda: [[torch.zeros(s) for s in self.shapes] for _ in range(self.world)]  # noqa: E731
+        self.residual, self.estimate, self.local_mom, self.local_nu = per_rank(), per_rank(), per_rank(), per_rank()
+        self.global_estimate = [z.clone() for z in zeros]
+        self.m, self.v = [z.clone() for z in zeros], [z.clone() for z in zeros]
+        self.v_frozen: list[torch.Tensor] | None = None
+        gen = torch.Generator().manual_seed(123)
+        self.q = [torch.rand(math.prod(s[1:]), a.rank, generator=gen) - 0.5 if len(s) >= 2 else None
+                  for s in self.shapes]
+        self.grad_norms: list[float] = []
+
+    # -------------------------------------------------------------------------------------------- model
+
+    def loss(self, leaves: list[torch.Tensor], head: torch.Tensor, batch: Any) -> torch.Tensor:
+        """gpt.loss_fn with the tied head's weight passed separately (its gradient is the compressed part)."""
+        p = pf.tree.unflatten(self.treedef, leaves)
+        inputs, targets = batch
+        x = p["wte"][inputs] + p["wpe"][: inputs.shape[1]]
+        for block in p["blocks"].values():
+            x = x + gpt._attention(gpt._norm(x, block["ln1"]), block["attn"], self.config, True)
+            x = x + gpt._mlp(gpt._norm(x, block["ln2"]), block["mlp"], self.config)
+        logits = torch.nn.functional.linear(gpt._norm(x, p["ln_f"]), head)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def rank_grads(self, batch: Any) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Per rank: the gradients its reductions send (the head's part for wte); and the exact mean of the rest
+        (wte's lookup part)."""
+        rows = batch[0].shape[0] // self.world
+        out, lookup = [], []
+        for r in range(self.world):
+            b = (batch[0][r * rows:(r + 1) * rows], batch[1][r * rows:(r + 1) * rows])
+            leaves = [x.detach().requires_grad_() for x in self.params]
+            head = self.params[self.wte].detach().requires_grad_()
+            grads = list(torch.autograd.grad(self.loss(leaves, head, b), [*leaves, head]))
+            lookup.append(grads[self.wte])
+            grads[self.wte] = grads.pop()
+            out.append(grads)
+        return out, [sum(lookup) / self.world]
+
+    # ----------------------------------------------------------------------------------------- exchange
+
+    def ratio_at(self, t: int) -> float:
+        a = self.a
+        ramp, r = [], 0.25
+        while a.ramp and r > a.ratio:
+            ramp.append(r)
+            r /= 4
+        ramp.append(a.ratio)
+        since = t - a.dense
+        return ramp[len(ramp) - 1 if since >= a.ramp else since * (len(ramp) - 1) // a.ramp]
+
+    def matrix(self, i: int) -> tuple[int, int] | None:
+        """PowerSGD's view of leaf i, None where it goes uncompressed (1-D, or under 2x compression)."""
+        s = self.shapes[i]
+        if len(s) < 2:
+            return None
+        rows, cols = s[0], math.prod(s[1:])
+        if self.a.rank >= min(rows, cols) or (rows + cols) * self.a.rank * 2 > rows * cols:
+            return None
+        return rows, cols
+
+    def compressed(self, i: int) -> bool:
+        a, name = self.a, self.names[i]
+        if (a.only and not re.search(a.only, name)) or (a.skip and re.search(a.skip, name)):
+            return False
+        return (a.fmt == "topk" and len(self.shapes[i]) >= 2) or (a.fmt == "powersgd" and self.matrix(i) is not None)
+
+    def topk(self, i: int, vs: list[torch.Tensor], t: int, keep_residual: bool) -> tuple[torch.Tensor, list]:
+        """Mean of the ranks' top-k of `vs` (flat), and each rank's sent values' (indices, values)."""
+        a, n = self.a, vs[0].numel()
+        k = max(1, math.ceil(self.ratio_at(t) * n))
+        if a.agree == 3:
+            idxs = [torch.topk((sum(vs) / self.world).abs(), k, sorted=False).indices] * self.world
+        elif a.agree == 2:
+            union = torch.zeros(n, dtype=torch.bool)
+            for v in vs:
+                union[torch.topk(v.abs(), k, sorted=False).indices] = True
+            idxs = [union.nonzero().view(-1)] * self.world
+        elif a.agree == 1:
+            idxs = [torch.topk(vs[t % self.world].abs(), k, sorted=False).indices] * self.world
+        elif a.selnu:
+            idxs = [torch.topk(v.abs() * (self.local_nu[r][i].reshape(-1) + 1e-30) ** (-a.sel), k,
+                               sorted=False).indices for r, v in enumerate(vs)]
+        else:
+            idxs = [torch.topk(v.abs(), k, sorted=False).indices for v in vs]
+        total = torch.zeros(n)
+        for r, (v, idx) in enumerate(zip(vs, idxs)):
+            total.index_add_(0, idx, v[idx])
+            if keep_residual:
+                left = v.clone()
+                left[idx] = 0
+                self.residual[r][i] = left.view(self.shapes[i])
+        return total / self.world, list(zip(idxs, [v[idx] for v, idx in zip(vs, idxs)]))
+
+    def powersgd(self, i: int, ms: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(mean approximation, P, each rank's Q) of the ranks' matrices `ms`, warm-started from the last Q."""
+        q = self.q[i]
+        for _ in range(self.a.iters):
+            p = torch.linalg.qr(sum(m @ q for m in ms)).Q
+            q_local = [m.t() @ p for m in ms]
+            q = sum(q_local)
+        self.q[i] = q
+        return p @ q.t() / self.world, p, q_local
+
+    def exchange(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list[torch.Tensor]:
+        a, world = self.a, self.world
+        out = []
+        for i, s in enumerate(self.shapes):
+            g = [grads[r][i] for r in range(world)]
+            if a.selnu:
+                for r in range(world):
+                    self.local_nu[r][i] = self.local_nu[r][i] * a.selnu + (1 - a.selnu) * g[r] * g[r]
+            if not self.compressed(i):
+                out.append(sum(g) / world)
+                continue
+            if a.ef21:
+                for r in range(world):
+                    self.local_mom[r][i] = torch.lerp(self.local_mom[r][i], g[r], a.ef21)
+                if t < a.dense:  # dense: every rank's estimate is what it has
+                    for r in range(world):
+                        self.estimate[r][i] = self.local_mom[r][i].clone()
+                    self.global_estimate[i] = sum(self.estimate[r][i] for r in range(world)) / world
+                    out.append(self.global_estimate[i].clone())
+                    continue
+                diffs = [self.local_mom[r][i] - self.estimate[r][i] for r in range(world)]
+            elif t < a.dense:
+                out.append(sum(g) / world)
+                continue
+            else:
+                diffs = [g[r] + (self.residual[r][i] if a.ef else 0) for r in range(world)]
+            keep = bool(a.ef) and not a.ef21
+            if a.fmt == "topk":
+                mean, sent = self.topk(i, [d.reshape(-1) for d in diffs], t, keep)
+                if a.ef21:
+                    for r, (idx, vals) in enumerate(sent):
+                        self.estimate[r][i].view(-1).index_add_(0, idx, vals)
+            else:
+                rows, cols = self.matrix(i)
+                ms = [d.reshape(rows, cols) for d in diffs]
+                mean, p, q_local = self.powersgd(i, ms)
+                for r in range(world):
+                    if keep:
+                        self.residual[r][i] = (ms[r] - p @ q_local[r].t()).view(s)
+                    if a.ef21:
+                        self.estimate[r][i] = self.estimate[r][i] + (p @ q_local[r].t()).view(s)
+            mean = mean.view(s)
+            if a.ef21:
+                self.global_estimate[i] = self.global_estimate[i] + mean
+                mean = self.global_estimate[i].clone()
+            out.append(mean)
+        out[self.wte] = out[self.wte] + exact[0]
+        return out
+
+    # ---------------------------------------------------------------------------------------- optimizer
+
+    def lr(self, t: int) -> float:
+        """pf.optim.warmup_cosine_decay as char_lm.make_optimizer builds it, at update count t."""
+        a = self.a
+        warm = min(30, a.steps // 5)
+        if t < warm:
+            return a.lr * t / warm
+        frac = min(1.0, (t - warm) / max(1, a.steps - warm))
+        return 0.1 * a.lr + 0.9 * a.lr * 0.5 * (1 + math.cos(math.pi * frac))
+
+    def clip(self, grads: list[torch.Tensor]) -> float:
+        norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))
+        self.grad_norms.append(norm)
+        return min(1.0, CLIP / norm)
+
+    def apply(self, t: int, updates: list[torch.Tensor]) -> None:
+        lr = self.lr(t)
+        for i, u in enumerate(updates):
+            p = self.params[i]
+            if p.ndim >= 2:  # char_lm's mask: norms and biases are not decayed
+                p = p * (1 - lr * WEIGHT_DECAY)
+            self.params[i] = p - lr * u
+
+    def adamw(self, t: int, grads: list[torch.Tensor]) -> None:
+        c, count, frozen = self.clip(grads), t + 1, 0 <= self.a.freeze <= t
+        updates = []
+        for i, g in enumerate(grads):
+            g = g * c
+            self.m[i] = torch.lerp(self.m[i], g, 1 - B1)
+            if not frozen:
+                self.v[i] = self.v[i] * B2 + (1 - B2) * g * g
+            bc2 = 1 - B2 ** (self.a.freeze if frozen else count)
+            updates.append((self.m[i] / (1 - B1**count)) / (self.v[i].sqrt() / math.sqrt(bc2) + EPS))
+        self.apply(t, updates)
+
+    def onebit(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> None:
+        """1-bit Adam's compression stage (Tang et al. 2021, Algorithm 1) with this script's compressor."""
+        world = self.world
+        if self.v_frozen is None:
+            self.v_frozen = [v / (1 - B2**t) for v in self.v]
+        mean = [sum(grads[r][i] for r in range(world)) / world for i in range(len(self.shapes))]
+        mean[self.wte] = mean[self.wte] + exact[0]
+        c = self.clip(mean)
+        updates = []
+        for i, s in enumerate(self.shapes):
+            if not self.compressed(i):
+                self.m[i] = torch.lerp(self.m[i], mean[i] * c, 1 - B1)
+            else:
+                local = [B1 * self.m[i] + (1 - B1) * c * grads[r][i] + self.residual[r][i] for r in range(world)]
+                if self.a.fmt == "topk":
+                    m, _ = self.topk(i, [x.reshape(-1) for x in local], t, keep_residual=True)
+                else:
+                    rows, cols = self.matrix(i)
+                    ms = [x.reshape(rows, cols) for x in local]
+                    m, p, q_local = self.powersgd(i, ms)
+                    for r in range(world):
+                        self.residual[r][i] = (ms[r] - p @ q_local[r].t()).view(s)
+                self.m[i] = m.view(s)
+                if i == self.wte:  # the lookup part is exact
+                    self.m[i] = self.m[i] + (1 - B1) * c * exact[0]
+            updates.append(self.m[i] / (1 - B1 ** (t + 1)) / (self.v_frozen[i].sqrt() + EPS))
+        self.apply(t, updates)
+
+    # ------------------------------------------------------------------------------------------------ run
+
+    def step(self, t: int, batch: Any) -> None:
+        grads, exact = self.rank_grads(batch)
+        if self.a.onebit and t >= self.a.dense:
+            self.onebit(t, grads, exact)
+        else:
+            self.adamw(t, self.exchange(t, grads, exact))
+
+    def val_loss(self, batches: list[Any]) -> float:
+        with torch.no_grad():
+            return float(sum(self.loss(self.params, self.params[self.wte], b) for b in batches) / len(batches))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    torch.set_num_threads(1)
+    sim = Sim(a)
+    train = chardata.batches(sim.dataset.train, 32, 64, seed=0)
+    val_stream = chardata.batches(sim.dataset.val, 32, 64, seed=1)
+    val = [next(val_stream) for _ in range(2 if a.smoke else 16)]
+    start, curve = time.perf_counter(), []
+    for t in range(a.steps):
+        sim.step(t, next(train))
+        if (t + 1) % 50 == 0:
+            curve.append((t + 1, round(sim.val_loss(val[:4]), 4)))
+    out = dict(args=vars(a), val_loss=sim.val_loss(val), val_curve=curve, seconds=time.perf_counter() - start,
+               grad_norm_by_50=[sum(sim.grad_norms[i:i + 50]) / len(sim.grad_norms[i:i + 50])
+                                for i in range(0, len(sim.grad_norms), 50)])
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
