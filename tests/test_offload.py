@@ -8,6 +8,7 @@ On CPU the policy keeps values where they are (host memory); the tests that run 
 from __future__ import annotations
 
 import functools
+import operator
 import re
 
 import pytest
@@ -45,10 +46,19 @@ def init_params() -> list[dict]:
     ]
 
 
-def make_step(policy, head: bool = True):
+def attn_block(x: torch.Tensor, p: dict) -> torch.Tensor:
+    # The named value is attention's output, which autograd saves for attention's backward: the backward
+    # reads a `detach` of it, not the named node (as in benchmarks/lm_step.py's blocks).
+    b, s, _ = x.shape
+    q, k = (x @ p["fc"]).view(b, s, 2, 2, D // 2).permute(2, 0, 3, 1, 4)
+    y = pf.checkpoint_name(F.scaled_dot_product_attention(q, k, k, is_causal=True), "attn")
+    return x + y.transpose(1, 2).reshape(b, s, D) @ p["out"][:D]
+
+
+def make_step(policy, head: bool = True, blk=block):
     """An AdamW step over checkpointed blocks; `head`: matmuls after the last block (as a language model's)."""
     opt = pf.optim.adamw(1e-2)
-    run = block if policy is None else pf.checkpoint(block, policy)
+    run = blk if policy is None else pf.checkpoint(blk, policy)
 
     def loss_fn(params, x, y):
         for p in params:
@@ -65,8 +75,8 @@ def make_step(policy, head: bool = True):
     return step, opt
 
 
-def train(policy, backend: str, steps: int = 2, head: bool = True):
-    step_fn, opt = make_step(policy, head)
+def train(policy, backend: str, steps: int = 2, head: bool = True, blk=block):
+    step_fn, opt = make_step(policy, head, blk)
     params = init_params()
     opt_state = opt.init(params)
     g = torch.Generator().manual_seed(1)
@@ -155,6 +165,58 @@ def test_last_blocks_kept_when_the_backward_follows_them(force_offload):
     for node in nodes:
         if node.target in (ro.OFFLOAD, ro.RELEASE, ro.PREFETCH):  # only tokens link the ops
             assert node.meta["val"].shape == (1,) and node.meta["val"].dtype == torch.int64
+
+
+def _read_by_backward(value: fx.Node) -> list[fx.Node]:
+    """Backward nodes (recomputed copies and the Inductor fence included) reading `value` or a view of it."""
+    out, stack = [], [value]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if remat.is_backward(user):
+                out.append(user)
+            elif remat.alias_root(user) is value:
+                stack.append(user)
+    return out
+
+
+def test_saved_output_offloaded(force_offload):
+    """A named value the backward reads only through an alias (autograd saves attention's output as a
+    `detach` of it) goes to host; the alias is recomputed from the reloaded copy. It stayed on the device."""
+    losses, params, lowered = train(CP.offload_to_host("attn"), "eager", blk=attn_block)
+    nodes = list(lowered.graph_module.graph.nodes)
+    named = [n for n in nodes if "attn" in remat.names_of(n) and n.target is operator.getitem]
+    assert len(named) == N_BLOCKS
+    starts = [n for n in nodes if n.target is ro.OFFLOAD]
+    assert [s.args[0] for s in starts] == named
+    for value in named:
+        assert not _read_by_backward(value)  # the backward reads the reloaded copy only
+    (wait,) = [n for n in nodes if n.target is ro.RELOAD and n.args[0].args[0].args[0] is named[0]]
+    assert any(u.target is aten.detach.default for u in wait.users)
+    ref_losses, ref_params, _ = train(CP.save_only_these_names("attn"), "eager", blk=attn_block)
+    assert_same((losses, params), (ref_losses, ref_params))
+    assert not ro._hosts and not ro._h2d and not ro._d2h_events
+
+
+def test_benchmark_program_offloads_every_block(force_offload):
+    """benchmarks/lm_step.py --policy offload: each block's attention output goes to host (the H200 run of
+    benchmarks/offload_overlap.py found no copies: the policy had offloaded nothing)."""
+    import argparse
+
+    _benchmark()  # benchmarks/ on sys.path
+    import lm_step
+
+    a = argparse.Namespace(layers=2, d=32, heads=2, seq=16, batch=2, vocab=64, precision="bf16", policy="offload")
+    step_fn, opt = lm_step.make_train_step(a, "cpu")
+    params = lm_step.init_params(a, torch.device("cpu"))
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq))
+    lowered = pf.jit(step_fn).lower(params, opt.init(params), tokens, tokens)
+    nodes = list(lowered.graph_module.graph.nodes)
+    named = [n for n in nodes if "attn" in remat.names_of(n) and n.target is operator.getitem]
+    assert len(named) == a.layers
+    assert sorted(n.args[0].name for n in nodes if n.target is ro.OFFLOAD) == sorted(n.name for n in named)
+    assert all(sum(n.target is op for n in nodes) == a.layers for op in ro.OPS)
+    assert not any(_read_by_backward(n) for n in named)
 
 
 # --- numbers --------------------------------------------------------------------------------------------------

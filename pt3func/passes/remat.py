@@ -319,7 +319,11 @@ def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
         if not new_pins:
             break
         pinned |= new_pins
-    offload = {n for n in roots if decision(n) == OFFLOAD}
+    # A named value can reach the backward only through ops recomputed from it: autograd saves an op's
+    # output (attention's, for its backward) as a `detach` of it, and that alias, not the named node, is what
+    # the backward reads. The named value is what goes to host; the alias is recomputed from the reloaded copy.
+    read = set(roots) | {i for n in recompute for i in n.all_input_nodes}
+    offload = {n for n in read if n not in recompute and decision(n) == OFFLOAD}
     return RematPlan(recompute, offload)
 
 
