@@ -22,7 +22,8 @@ benchmarks"):
 - `--freeze N`: Adam's second moment frozen after N steps (1-bit Adam, Tang et al. 2021).
 - `--onebit 1`: 1-bit Adam's compression stage after the dense steps: each rank compresses its momentum
   b1 m + (1 - b1) g_r (m: the last exchanged momentum) with error feedback, the exchanged mean is the new m and
-  the update is m / sqrt(v frozen at the switch); gradients are clipped by the exact global norm first.
+  the update is m / sqrt(v frozen at the switch); gradients are clipped by the exact global norm first
+  (`--onebit-clip exchanged`: what the exchange delivers is clipped instead, as an optimizer would).
 - `--ef21 E`: EF21 (Richtarik et al. 2021): each rank compresses the difference between its (E = 1: gradient,
   E < 1: momentum with weight E, EF21-SGDM) and its last sent estimate; the optimizer sees the running mean of
   the estimates.
@@ -70,6 +71,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--ef", type=int, default=1, help="error feedback (0: off)")
     add("--freeze", type=int, default=-1, help="freeze Adam's second moment after this many steps (-1: never)")
     add("--onebit", type=int, default=0, help="1-bit Adam's compression stage after --dense steps")
+    add("--onebit-clip", choices=("gradient", "exchanged"), default="gradient",
+        help="--onebit: clip each rank's gradient by the exact mean's norm (gradient), or clip what the exchange "
+             "delivers (momentum of compressed leaves, gradient of the others), as an optimizer after pf.jit's "
+             "exchange would")
     add("--ef21", type=float, default=0.0, help="EF21 (1) or EF21-SGDM with this momentum weight (< 1)")
     add("--agree", type=int, default=0, help="top-k indices agreed: 1 rotating leader, 2 union, 3 oracle mean")
     add("--selnu", type=float, default=0.0, help="top-k: select by |v| / nu^sel, nu a local EMA with this decay")
@@ -298,11 +303,12 @@ class Sim:
             self.v_frozen = [v / (1 - B2**t) for v in self.v]
         mean = [sum(grads[r][i] for r in range(world)) / world for i in range(len(self.shapes))]
         mean[self.wte] = mean[self.wte] + exact[0]
-        c = self.clip(mean)
-        updates = []
+        exchanged = self.a.onebit_clip == "exchanged"
+        c = 1.0 if exchanged else self.clip(mean)
+        delivered = []
         for i, s in enumerate(self.shapes):
             if not self.compressed(i):
-                self.m[i] = torch.lerp(self.m[i], mean[i] * c, 1 - B1)
+                delivered.append(mean[i])
             else:
                 local = [B1 * self.m[i] + (1 - B1) * c * grads[r][i] + self.residual[r][i] for r in range(world)]
                 if self.a.fmt == "topk":
@@ -316,7 +322,16 @@ class Sim:
                 self.m[i] = m.view(s)
                 if i == self.wte:  # the lookup part is exact
                     self.m[i] = self.m[i] + (1 - B1) * c * exact[0]
-            updates.append(self.m[i] / (1 - B1 ** (t + 1)) / (self.v_frozen[i].sqrt() + EPS))
+                delivered.append(None)
+        c2 = self.clip([self.m[i] if d is None else d for i, d in enumerate(delivered)]) if exchanged else c
+        updates = []
+        for i, d in enumerate(delivered):
+            if d is not None:  # an uncompressed leaf: Adam's own momentum of its gradient
+                self.m[i] = torch.lerp(self.m[i], d * c2, 1 - B1)
+                m = self.m[i]
+            else:  # clipped here only when the exchanged momentum is clipped (else each gradient was)
+                m = self.m[i] * c2 if exchanged else self.m[i]
+            updates.append(m / (1 - B1 ** (t + 1)) / (self.v_frozen[i].sqrt() + EPS))
         self.apply(t, updates)
 
     # ------------------------------------------------------------------------------------------------ run
