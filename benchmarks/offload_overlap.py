@@ -18,7 +18,7 @@ together).
 
     python benchmarks/offload_overlap.py                    # one H200, the anchor config (~5 min)
     python benchmarks/offload_overlap.py --smoke            # CPU: tiny config, plumbing only (offload is a
-                                                            #   no-op on CPU values), < 2 min
+                                                            #   no-op on CPU values: 0 offloaded), < 2 min
 Prints one line per row, the copy overlap per profiled row, and whether all offload rows' losses equal the
 `attn_saveable` row's (the same values are kept, bit for bit); writes `results/offload_overlap_<device>.json`.
 """
@@ -75,6 +75,19 @@ def _overlap(interval: tuple[float, float], merged: list[tuple[float, float]]) -
     return sum(max(0.0, min(end, e) - max(start, s)) for s, e in merged if s < end and e > start)
 
 
+def copy_direction(event: dict[str, Any]) -> str | None:
+    """The direction of a `gpu_memcpy` trace event: "DtoH", "HtoD" (or another CUPTI copy kind).
+
+    Kineto names a copy "Memcpy DtoH (Device -> Pinned)"; torch's Python CUPTI monitor (newer torch) names it
+    "Memcpy" and gives the kind as `args["copy kind"]`.
+    """
+    kind = event.get("args", {}).get("copy kind")
+    if isinstance(kind, str):
+        return kind
+    m = re.match(r"Memcpy (\w+)", event.get("name", ""))
+    return m.group(1) if m else None
+
+
 def copy_overlap(trace_path: str, steps: int, min_bytes: int) -> dict[str, Any]:
     """Host<->device copies of at least `min_bytes` in a chrome trace, and how much of their time overlaps kernels."""
     with open(trace_path) as f:
@@ -82,13 +95,13 @@ def copy_overlap(trace_path: str, steps: int, min_bytes: int) -> dict[str, Any]:
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     copies = [
         e for e in events
-        if e.get("cat") == "gpu_memcpy" and e.get("ph") == "X" and ("DtoH" in e["name"] or "HtoD" in e["name"])
+        if e.get("cat") == "gpu_memcpy" and e.get("ph") == "X" and copy_direction(e) in ("DtoH", "HtoD")
         and e.get("args", {}).get("bytes", 0) >= min_bytes
     ]
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     out: dict[str, Any] = {}
     for direction in ("DtoH", "HtoD"):
-        mine = [e for e in copies if direction in e["name"]]
+        mine = [e for e in copies if copy_direction(e) == direction]
         total = sum(e["dur"] for e in mine)
         hidden = sum(_overlap((e["ts"], e["ts"] + e["dur"]), busy) for e in mine)
         out[direction] = dict(
@@ -135,6 +148,11 @@ def op_windows(code: str) -> dict[str, list[int]]:
     return out
 
 
+def offloaded_values(code: str) -> int:
+    """How many values the generated program copies to host (calls of `offload_to_host`)."""
+    return len(re.findall(r"torch\.ops\.pt3func\.offload_to_host\.default\(", code))
+
+
 def run_row(name: str, a: argparse.Namespace, trace_dir: str, out_jsonl: Path) -> dict[str, Any]:
     policy, overlap, profiled = ROWS[name]
     steps = 3 if a.smoke else a.steps
@@ -158,7 +176,9 @@ def run_row(name: str, a: argparse.Namespace, trace_dir: str, out_jsonl: Path) -
                pf_compiled_peak_mem_gib=record["pf_compiled_peak_mem_gib"])
     program = os.path.join(trace_dir, f"{name}_program.py")
     if os.path.exists(program):
-        windows = op_windows(Path(program).read_text())
+        code = Path(program).read_text()
+        row["offloaded_values"] = offloaded_values(code)
+        windows = op_windows(code)
         row["kernels_between"] = {k: dict(n=len(v), min=min(v), median=statistics.median(v)) if v else None
                                   for k, v in windows.items()}
     rank_trace = trace.replace(".json", ".rank0.json")
@@ -186,6 +206,11 @@ def main() -> None:
         peak = f"{row['peak_mem_gib']} GiB" if row["peak_mem_gib"] is not None else "n/a (CPU)"
         print(f"{name:20s} step {row['step_ms']:9.2f} ms  peak {peak:12s} compiled-program peak "
               f"{row['pf_compiled_peak_mem_gib']} GiB  loss {row['loss']!r}", flush=True)
+        if "offloaded_values" in row:
+            n = row["offloaded_values"]
+            print(f"    offloaded values in the program: {n}", flush=True)
+            if n == 0 and device == "cuda":
+                print("    WARNING: the policy offloaded nothing: this row measures no offload", flush=True)
         for k, w in (row.get("kernels_between") or {}).items():
             if w:
                 what = "offload -> release" if k == "out" else "prefetch -> wait"

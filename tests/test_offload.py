@@ -276,6 +276,7 @@ def test_same_numbers_and_order_under_inductor(force_offload):
     assert len(calls) - len(ours) == len(ref_calls)
     assert not re.search(r"\.copy_\(|\.clone\(|aten\.copy|aten\.clone", code[code.index("def call("):])
     # The benchmark's reading of the program: every copy has kernels to run behind.
+    assert _benchmark().offloaded_values(code) == N_BLOCKS
     windows = _benchmark().op_windows(code)
     assert len(windows["out"]) == len(windows["back"]) == N_BLOCKS and min(windows["out"] + windows["back"]) > 0
     # Inductor keeps the ops where the pass put them: same order among themselves, each after its anchor,
@@ -466,13 +467,18 @@ def test_benchmark_counts_copy_time_under_kernels(tmp_path):
         event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50, 100, 13, 4 * mib),  # half under kernels
         event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 160, 20, 13, 4 * mib),  # all under a kernel
         event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 300, 10, 7, 4),  # too small: not counted
+        event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 400, 10, 7, 4 * mib),  # not host<->device
     ]
+    # torch's Python CUPTI monitor: the direction in args only
+    events.append({**event("gpu_memcpy", "Memcpy", 500, 10, 13, 4 * mib), "ph": "X"})
+    events[-1]["args"]["copy kind"] = "HtoD"
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     out = offload_overlap.copy_overlap(str(path), steps=1, min_bytes=mib)
     assert out["DtoH"] == dict(copies_per_step=1, mib_per_step=4.0, ms_per_step=0.1, overlapped_with_kernels=0.5,
                                streams=[13])
-    assert out["HtoD"]["overlapped_with_kernels"] == 1.0 and out["kernel_streams"] == [7]
+    assert out["HtoD"]["copies_per_step"] == 2 and out["HtoD"]["mib_per_step"] == 8.0
+    assert out["HtoD"]["overlapped_with_kernels"] == round(20 / 30, 3) and out["kernel_streams"] == [7]
 
 
 @cuda
