@@ -102,16 +102,26 @@ def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 def leaf_key(leaf: Any) -> Any:
     """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
     if type(leaf) is torch.Tensor:  # the common case first: this runs for every leaf of every call
-        return (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
+        return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
             # The mesh by identity: equal-looking meshes of different worlds (virtual ranks) are different programs.
-            return (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, leaf._local_tensor.stride())
-        return (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
+            return (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, _layout(leaf._local_tensor))
+        return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)
     return ("static", leaf)
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    """`t`'s strides, but 0 for every dim of size 1: such a stride never moves an address (PyTorch's contiguity and
+    view rules, and Inductor's input asserts, ignore it). A row `[1, n]` split off a `[1, N]` buffer (stride N) and
+    a fresh `[1, n]` (stride n) are then one signature, not a second trace and compile of the same program."""
+    stride = t.stride()
+    if 1 in t.shape:
+        return tuple([0 if size == 1 else s for size, s in zip(t.shape, stride)])
+    return stride
 
 
 def describe_leaf(leaf: Any) -> str:
