@@ -19,6 +19,7 @@ from pt3func.passes.remat import (
     apply_remat,
     fence_recomputation,
     is_random,
+    is_view,
     plan_from_policies,
     rematerialize,
 )
@@ -528,3 +529,24 @@ def test_sharded_remat_keeps_numbers_and_collectives():
     for kind in results["fsdp2", False, False]["kinds"]:
         extra.remove(kind)
     assert extra == ["all_gather_into_tensor"] * 3
+
+
+def test_fence_leaves_views_of_kept_values_alone():
+    """A recomputed detach of a kept value (autograd saves attention's output as one) is not fenced: fenced, the
+    attention backward, an extern kernel, would read a materialised copy of it."""
+
+    def attn_block(x: torch.Tensor, p: dict) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = F.layer_norm(x, (D,), p["ln"]) @ p["qkv"]
+        q, k, v = qkv.view(b, s, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        y = pf.checkpoint_name(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attn")
+        return x + torch.tanh(y.transpose(1, 2).reshape(b, s, D) @ p["proj"])
+
+    policy = pf.checkpoint_policies.save_only_these_names("attn")
+    step_fn, opt = make_step(policy, body=lambda x, p, dropout: attn_block(x, p))
+    params = init_params()
+    lowered = pf.jit(step_fn).lower(params, opt.init(params), *data())
+    fences = [n for n in lowered.graph_module.graph.nodes if n.target is torch.ops.aten.where.ScalarSelf]
+    assert fences, "the recomputed LayerNorm / matmul inputs are still fenced"
+    for fence in fences:
+        assert not any(is_view(user) for user in fence.users), fence.format_node()

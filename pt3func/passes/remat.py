@@ -481,13 +481,20 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
     token: fx.Node | None = None
     never: fx.Node | None = None
     fences: dict[fx.Node, fx.Node] = {}
+    after_fence: set[fx.Node] = set()  # copies that already depend on a fence (or are opaque backward calls)
     for node in nodes:
         if node in groups:
             token, never, fences = groups[node], None, {}
-        if not _is_copy(node) or token is None or _is_offload_op(node):
-            continue  # an offload op is an opaque call: Inductor cannot fuse it into the forward
-        if any(_is_copy(inp) for inp in node.all_input_nodes):
-            continue  # already after the fence through that input
+        if not _is_copy(node) or token is None:
+            continue
+        if _is_offload_op(node) or any(inp in after_fence for inp in node.all_input_nodes):
+            after_fence.add(node)  # an offload op is an opaque call Inductor cannot fuse into the forward
+            continue
+        if is_view(node):
+            # A view computes nothing, so running it early costs nothing; fenced, it would be materialised for a
+            # reader that is an extern kernel (attention's backward reading a kept output's recomputed detach:
+            # one extra copy per block). Its readers are fenced themselves.
+            continue
         device = token.meta["val"].device
         reads = [
             inp
@@ -507,6 +514,7 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
                 fences[inp] = read_after(graph, never, inp, node, _remat_tag)
             fenced = True
         node.replace_input_with(inp, fences[inp])
+        after_fence.add(node)
     if fenced:
         graph.lint()
         gm.recompile()
