@@ -31,7 +31,7 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -80,9 +80,9 @@ def profile_steps(step_once: Callable[[], None], n: int = 3, trace_path: str | N
         entry[0] += end - start
         entry[1] += 1
         (comm if kind == "nccl" else compute).append((start, end))
-    comm_u, compute_u = _union_us(comm), _union_us(compute)
+    comm_u, compute_u = union_intervals(comm), union_intervals(compute)
     span = (max(e for _, e in comm_u + compute_u) - min(s for s, _ in comm_u + compute_u)) if kernels else 0.0
-    busy = _union_us(comm + compute)
+    busy = union_intervals(comm + compute)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
     return dict(
         steps=n,

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from common import RESULTS, environment
+from gpu_profile import union_intervals
 
 HERE = Path(__file__).resolve().parent
 SMOKE = ["--device", "cpu", "--layers", "2", "--d", "64", "--heads", "4", "--seq", "32", "--batch", "2",
@@ -58,16 +59,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace-dir", default=None, help="keep the chrome traces here (default: a temporary folder)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more lm_step.py flags for every row")
     return p.parse_args()
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def _overlap(interval: tuple[float, float], merged: list[tuple[float, float]]) -> float:
@@ -98,7 +89,7 @@ def copy_overlap(trace_path: str, steps: int, min_bytes: int) -> dict[str, Any]:
         if e.get("cat") == "gpu_memcpy" and e.get("ph") == "X" and copy_direction(e) in ("DtoH", "HtoD")
         and e.get("args", {}).get("bytes", 0) >= min_bytes
     ]
-    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    busy = union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     out: dict[str, Any] = {}
     for direction in ("DtoH", "HtoD"):
         mine = [e for e in copies if copy_direction(e) == direction]
