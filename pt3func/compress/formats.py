@@ -252,8 +252,10 @@ def two_phase_bucket(
     mine = codec.decode(_all_to_all(payload, r), cols).sum(0)  # every rank's copy of my chunks, summed in fp32
     if r.op == "avg":
         mine = mine / world
-    # Each leaf's results get buffers of their own (`own`): views into one bucket buffer, fed back to a jitted
-    # step as inputs that share storage, were miscompiled by Inductor (per-leaf state read wrong on the next step).
+    # Each leaf's results get buffers of their own (`own`). Added when per-leaf state came back wrong after views
+    # of one bucket buffer were fed back; that turned out to be a retrace (a size-1 dim's stride in the cache key,
+    # since fixed) whose new exchange-guard trial passed the state through, not a miscompile
+    # (tests/test_aliased_inputs.py). Views would now do and save a copy per leaf; kept until measured on a GPU.
     own = _apart if len(xs) > 1 else lambda t, view=True: t
     new_res = [None] * len(xs)
     if new_res_rows is not None:
