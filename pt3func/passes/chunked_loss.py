@@ -83,8 +83,7 @@ def chunk_cross_entropy(gm: fx.GraphModule) -> fx.GraphModule:
                 continue
             n, v = head.gradient.meta["val"].shape
             chunks = min(n, math.ceil(n * v * 4 / chunk_bytes))
-            if chunks > 1:
-                _rewrite(gm.graph, head, chunks)
+            if chunks > 1 and _rewrite(gm.graph, head, chunks):
                 changed = True
     if changed:
         gm.graph.lint()
@@ -230,32 +229,34 @@ class _Builder:
                 node.meta[key] = like.meta[key]
         return node
 
+    def can_reach(self, node: fx.Node, order: dict[fx.Node, int]) -> bool:
+        """Whether `available` can give `node` here: defined before `at`, or a view chain of such a value."""
+        while order[node] >= order[self.at]:
+            if node.target not in _VIEW_OPS or not isinstance(node.args[0], fx.Node):
+                return False
+            node = node.args[0]
+        return True
+
     def available(self, node: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
-        """`node` as a value defined before `at`: a view chain defined later is re-created here."""
+        """`node` as a value defined before `at` (see `can_reach`): a view chain defined later is re-created here."""
         if order[node] < order[self.at]:
             return node
-        if node.target not in _VIEW_OPS or not isinstance(node.args[0], fx.Node):
-            raise _NotAvailable(node)
         base = self.available(node.args[0], order)
         return self(node.target, (base, *node.args[1:]), node, **node.kwargs)
 
 
-class _NotAvailable(Exception):
-    pass
-
-
-def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
+def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     at = head.loss_backward  # the seed gradient, targets, h and Wt all exist here
     b = _Builder(graph, at)
     h, wt = head.matmul.args
     target, ignore, reduction = head.loss_forward.args[1], head.loss_forward.args[4], head.loss_forward.args[3]
     seed = head.loss_backward.args[0]
-    try:
-        row_operands = [b.available(u.args[1], order) for u in head.row_users]
-        col_operands = [b.available(u.args[1], order) for u in head.transposed_users]
-    except _NotAvailable:
-        return
+    operands = [u.args[1] for u in head.row_users + head.transposed_users]
+    if not all(b.can_reach(x, order) for x in operands):
+        return False  # checked before any node is added: an unmatched head leaves the graph as it was
+    row_operands = [b.available(u.args[1], order) for u in head.row_users]
+    col_operands = [b.available(u.args[1], order) for u in head.transposed_users]
     # The seed gradient was read off the loss (ones_like(loss)): read it off an empty tensor of the loss's
     # shape instead, so that it does not wait for the loss this rewrite computes only afterwards.
     loss_item = next(u for u in head.loss_forward.users if u.args[1] == 0)
@@ -319,6 +320,7 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> None:
     for node in reversed(list(graph.nodes)):
         if node in head.dead and not node.users:
             graph.erase_node(node)
+    return True
 
 
 def _accumulate(b: _Builder, acc: fx.Node | None, g_t: fx.Node, z: fx.Node, like: fx.Node) -> fx.Node:
