@@ -144,6 +144,12 @@ def parse_args() -> argparse.Namespace:
         default="none",
         help="pf.checkpoint(block, policy=...) around every transformer block (none: no remat); see REMAT_POLICIES",
     )
+    p.add_argument(
+        "--remat-blocks",
+        type=int,
+        default=None,
+        help="with --policy: checkpoint only the first N blocks (default: all); the rest keep everything",
+    )
     p.add_argument("--memory-budget", type=float, default=None, help="pf.jit(memory_budget=...): automatic remat")
     p.add_argument(
         "--max-memory-gib",
@@ -246,14 +252,21 @@ def make_train_step(
         h = tag(F.gelu(f, approximate="tanh"), "gelu")
         return x + F.linear(h, cast(p["out"]))
 
+    # Selective remat: only the first --remat-blocks blocks are checkpointed (every block's activations are live
+    # at the start of the backward, so which blocks matters less than how many).
+    remat_blocks = a.layers if getattr(a, "remat_blocks", None) is None else a.remat_blocks
+    if not 0 <= remat_blocks <= a.layers:
+        raise SystemExit(f"--remat-blocks {remat_blocks}: the model has {a.layers} blocks")
+    blocks = [block] * a.layers
     if make_policy is not None:
-        block = pf.checkpoint(block, policy=make_policy())
+        checkpointed = pf.checkpoint(block, policy=make_policy())
+        blocks = [checkpointed if i < remat_blocks else block for i in range(a.layers)]
 
     def forward_loss(params: Params, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         emb = cast(params["emb"])  # cast once: read by the lookup and by the tied unembedding
         x = F.embedding(idx, emb)
         for i in range(a.layers):
-            x = block(x, params["blocks"][str(i)])
+            x = blocks[i](x, params["blocks"][str(i)])
         logits = F.linear(layer_norm(x, params["lnf"]), emb)
         return F.cross_entropy(logits.float().view(-1, a.vocab), tgt.view(-1))
 
@@ -417,6 +430,7 @@ def main() -> None:
         overlap_scheduler=a.overlap_scheduler,
         cuda_graphs=a.cuda_graphs,
         policy=a.policy,
+        remat_blocks=a.remat_blocks,
         memory_budget=a.memory_budget,
         comm_bytes=cost["comm_bytes"],
         profile=profile,

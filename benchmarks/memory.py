@@ -56,6 +56,17 @@ PART_A = {
     "pt3func, recompute GELU + CUDA graphs": ["--policy", "recompute_gelu", "--cuda-graphs"],
     "pt3func, recompute LN + GELU": ["--policy", "dots_attn_saveable"],
     "pt3func, memory_budget 0.9": ["--memory-budget", "0.9"],
+    # Selective remat: GELU recomputed in only some blocks, trading part of the memory for part of the time.
+    **{
+        f"pt3func, recompute GELU in {n} of 12 blocks + CUDA graphs": [
+            "--policy",
+            "recompute_gelu",
+            "--remat-blocks",
+            str(n),
+            "--cuda-graphs",
+        ]
+        for n in (4, 6, 8)
+    },
 }
 PART_B = {
     "none": [],
@@ -84,6 +95,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=None, help="runs at once (default 8 on a GPU, 2 on CPU)")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds; (c) starts no round after it")
     p.add_argument("--rounds", type=int, default=None, help="most search rounds in (c) (default 4; CPU 2)")
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="only the part (a)/(b) rows whose names contain one of these comma-separated strings",
+    )
     p.add_argument("--tag", default=None, help="results/memory_<tag>.json (default: the device name)")
     # Internal: run the anchor script in this process, under the lock and memory cap.
     p.add_argument("--anchor-child", default=None, help=argparse.SUPPRESS)
@@ -210,8 +226,16 @@ def row(run: Run) -> list[Any]:
 COLUMNS = ["run", "batch", "step ms", "tokens/s", "peak GiB", "estimate GiB", "est./peak", "note"]
 
 
-def plan_a(batch: int, cpu: bool) -> list[Run]:
-    names = SMOKE_A if cpu else tuple(PART_A)
+def _chosen(names: tuple[str, ...], rows: str | None) -> tuple[str, ...]:
+    """The names that contain one of `rows`' comma-separated strings (all without --rows)."""
+    if not rows:
+        return names
+    wanted = [w.strip() for w in rows.split(",") if w.strip()]
+    return tuple(n for n in names if any(w in n for w in wanted))
+
+
+def plan_a(batch: int, cpu: bool, rows: str | None = None) -> list[Run]:
+    names = _chosen(SMOKE_A if cpu else tuple(PART_A), rows)
     return [*(Run(n, "pt3func", PART_A[n], batch) for n in names), Run(TORCH_COMPILE, TORCH_COMPILE, [], batch)]
 
 
@@ -239,8 +263,8 @@ def report_a(runs: list[Run]) -> dict[str, Any]:
     return result
 
 
-def plan_b(batch: int, cpu: bool) -> list[Run]:
-    return [Run(n, "pt3func", PART_B[n], batch) for n in (SMOKE_B if cpu else tuple(PART_B))]
+def plan_b(batch: int, cpu: bool, rows: str | None = None) -> list[Run]:
+    return [Run(n, "pt3func", PART_B[n], batch) for n in _chosen(SMOKE_B if cpu else tuple(PART_B), rows)]
 
 
 def report_b(runs: list[Run]) -> dict[str, Any]:
@@ -380,8 +404,8 @@ def main() -> None:
             config=dict(batch=a.batch, steps=a.steps, device=a.device, model=runner.model_flags() or "anchor"),
             env=environment(),
         )
-        runs_a = plan_a(a.batch, cpu) if "a" in a.parts else []
-        runs_b = plan_b(a.batch, cpu) if "b" in a.parts else []
+        runs_a = plan_a(a.batch, cpu, a.rows) if "a" in a.parts else []
+        runs_b = plan_b(a.batch, cpu, a.rows) if "b" in a.parts else []
         runner.run_all(runs_a + runs_b)  # one wave: every run compiles at once
         if runs_a:
             payload["a_vs_torch_compile"] = report_a(runs_a)
