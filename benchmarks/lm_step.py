@@ -374,20 +374,21 @@ def main() -> None:
         if lock is not None:
             lock.close()
     peak = torch.cuda.max_memory_allocated() if on_cuda else None
+    # The loss after the timed steps (the profile below runs 3 more: profiled and unprofiled runs compare equal).
+    loss = float(pf.device_get(loss))
     profile = None
     if a.profile and on_cuda:
         from gpu_profile import format_summary, profile_steps
 
         def step_once() -> None:
-            nonlocal params, opt_state, loss
-            params, opt_state, loss = step(params, opt_state, idx, tgt)
+            nonlocal params, opt_state
+            params, opt_state, _ = step(params, opt_state, idx, tgt)
             sync()
 
         profile = profile_steps(step_once, 3, a.profile.replace(".json", f".rank{rank}.json"))
         if rank == 0:
             print(format_summary(profile), flush=True)
     reserved = torch.cuda.max_memory_reserved() if on_cuda else None
-    loss = float(pf.device_get(loss))
 
     # lower() traces again, in fake mode (no compute, no memory), for the program's size and analyses.
     start = time.perf_counter()
@@ -404,6 +405,7 @@ def main() -> None:
         gpus=world,
         params_m=round(n_params / 1e6, 1),
         step_ms=round(med * 1e3, 2),
+        step_times_ms=[round(t * 1e3, 2) for t in times],  # every call, the 3 warm-up calls (compiles) first
         tokens_per_s=round(world * B * S / med),
         mfu=round(flops_per_step / med / (a.peak_tflops * 1e12), 4),
         peak_mem_gib=round(peak / 2**30, 2) if on_cuda else None,
