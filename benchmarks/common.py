@@ -112,3 +112,19 @@ def _fmt(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def arrive_and_wait(barrier: str | None, timeout_s: float = 900.0) -> None:
+    """Wait at a barrier of concurrent benchmark runs: `barrier` is "DIR:N:ID"; this run marks DIR/ID and waits
+    until N runs have (the parent marks a run that ended early, so a crash does not hold the others).
+
+    Concurrent runs compile in parallel; waiting here until every one has compiled keeps those compiles (CPU
+    work) off the host while any run times its steps.
+    """
+    if not barrier:
+        return
+    directory, count, me = barrier.rsplit(":", 2)
+    Path(directory, me).touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(directory)) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.5)

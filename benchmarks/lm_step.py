@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import RESULTS, append_jsonl, environment
+from common import RESULTS, append_jsonl, arrive_and_wait, environment
 from torch.distributed.tensor import DTensor, Shard
 
 import pt3func as pf
@@ -162,6 +162,11 @@ def parse_args() -> argparse.Namespace:
         "--timing-lock",
         default=None,
         help="a file to flock while running and timing: concurrent runs compile in parallel, time one at a time",
+    )
+    p.add_argument(
+        "--timing-barrier",
+        default=None,
+        help="DIR:N:ID: after compiling, wait until N concurrent runs have (benchmarks/common.arrive_and_wait)",
     )
     return p.parse_args()
 
@@ -355,6 +360,7 @@ def main() -> None:
     elif a.max_memory_gib and compiled.memory_analysis()["peak_bytes"] > a.max_memory_gib * 2**30:
         print(json.dumps(dict(oom_record, emulated=True)), flush=True)  # CPU smoke runs: the estimate decides
         return
+    arrive_and_wait(a.timing_barrier)
     lock = _hold(a.timing_lock)
     # The anchor's timing: 3 warm-up steps (the first one compiles), then the median of --steps.
     times = []

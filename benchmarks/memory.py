@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, environment, print_table, write_json
+from common import RESULTS, arrive_and_wait, environment, print_table, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -104,6 +104,7 @@ def parse_args() -> argparse.Namespace:
     # Internal: run the anchor script in this process, under the lock and memory cap.
     p.add_argument("--anchor-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--timing-lock", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timing-barrier", default=None, help=argparse.SUPPRESS)
     p.add_argument("anchor_args", nargs="*", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -116,6 +117,7 @@ class Run:
     batch: int
     cap_gib: float | None = None
     record: dict[str, Any] = field(default_factory=dict)
+    barrier: str | None = None  # "DIR:N:ID" (common.arrive_and_wait), set by Runner.run_all
 
 
 class Runner:
@@ -144,6 +146,7 @@ class Runner:
             cmd = [sys.executable, str(HERE / "memory.py"), "--anchor-child", str(self.anchor)]
             # A capped run (c) only asks "does it fit": it takes no turn on the timing lock.
             cmd += ["--cap-gib", str(run.cap_gib)] if run.cap_gib else ["--timing-lock", str(self.lock)]
+            cmd += ["--timing-barrier", run.barrier] if run.barrier else []
             return [*cmd, "--", "torch-compile", *common]
         self.count += 1
         cmd = [sys.executable, str(HERE / "lm_step.py"), *common, *run.flags]
@@ -151,12 +154,22 @@ class Runner:
         if self.a.device == "cpu":
             cmd += ["--device", "cpu", "--threads", "1", "--backend", "eager"]
         cmd += ["--max-memory-gib", str(run.cap_gib)] if run.cap_gib else ["--timing-lock", str(self.lock)]
+        cmd += ["--timing-barrier", run.barrier] if run.barrier else []
         return cmd
 
     def run_all(self, runs: list[Run]) -> None:
         """Run each distinct configuration once (parts share their baseline), all in one pool."""
         runs = [r for r in runs if r.kind != TORCH_COMPILE or self.anchor is not None]
         unique = {_key(r): r for r in reversed(runs) if _key(r) not in self.done}
+        # Timed runs that all start at once wait for each other's compiles before timing (a quiet host). With more
+        # runs than jobs a barrier would wait for runs that cannot start: those time while others compile.
+        timed = [r for r in unique.values() if not r.cap_gib]
+        if self.a.device == "cuda" and 1 < len(timed) <= self.a.jobs:
+            barrier = tempfile.mkdtemp(dir=self.workdir, prefix="barrier")
+            for i, r in enumerate(timed):
+                r.barrier = f"{barrier}:{len(timed)}:{i}"
+        elif len(timed) > self.a.jobs:
+            print(f"  {len(timed)} runs > --jobs {self.a.jobs}: runs time their steps while others compile", flush=True)
         with ThreadPoolExecutor(max_workers=self.a.jobs) as pool:
             list(pool.map(self._run_one, unique.values()))
         for r in runs:
@@ -170,6 +183,10 @@ class Runner:
         except subprocess.TimeoutExpired:
             run.record = {"error": "timed out after 600 s"}
             return
+        finally:
+            if run.barrier:  # a run that ended before the barrier (a crash) must not hold the others
+                directory, _, me = run.barrier.rsplit(":", 2)
+                Path(directory, me).touch()
         record: dict[str, Any] = {}
         for line in done.stdout.splitlines():
             if line.startswith("{"):
@@ -370,6 +387,7 @@ def anchor_child(a: argparse.Namespace) -> None:
     if a.cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(a.cap_gib * GIB / total, 1.0))
+    arrive_and_wait(a.timing_barrier)  # before the anchor compiles: its timed steps then run on a quiet host
     with open(a.timing_lock or os.devnull, "a") as lock:
         if a.timing_lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
