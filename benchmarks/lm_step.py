@@ -107,8 +107,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true", help="Inductor's compute/communication reordering pass")
     p.add_argument(
         "--bucket",
-        action="store_true",
-        help="Inductor's collective bucketing passes (the options that exist in this torch version)",
+        nargs="?",
+        const="on",
+        default=None,
+        choices=("auto", "on", "off"),
+        help="pf.config.bucket_collectives: Inductor's collective bucketing passes (bare --bucket: on; default: "
+        "pf.config's, auto: on for FSDP on GPUs)",
     )
     p.add_argument(
         "--overlap-scheduler",
@@ -315,10 +319,8 @@ def main() -> None:
         pf.config.grad_exchange_bucket_bytes = int(a.exchange_bucket_mib * 2**20)
     if a.overlap:
         torch._inductor.config.reorder_for_compute_comm_overlap = True
-    if a.bucket:
-        _set_inductor_options(
-            {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all", "bucket_all_reduces_fx": "all"}
-        )
+    if a.bucket is not None:
+        pf.config.bucket_collectives = a.bucket
     if a.overlap_scheduler:
         _set_inductor_options({"aten_distributed_optimizations.enable_overlap_scheduling": True})
     params = init_params(a, device)
@@ -434,7 +436,7 @@ def main() -> None:
         donate=not a.no_donate,
         precision=a.precision,
         overlap=a.overlap,
-        bucket=a.bucket,
+        bucket=pf.config.bucket_collectives,  # "auto" on for FSDP on GPUs (older records: True/False)
         overlap_scheduler=a.overlap_scheduler,
         cuda_graphs=a.cuda_graphs,
         policy=a.policy,

@@ -19,8 +19,11 @@ together).
     python benchmarks/offload_overlap.py                    # one H200, the anchor config (~5 min)
     python benchmarks/offload_overlap.py --smoke            # CPU: tiny config, plumbing only (offload is a
                                                             #   no-op on CPU values: 0 offloaded), < 2 min
-Prints one line per row, the copy overlap per profiled row, and whether all offload rows' losses equal the
-`attn_saveable` row's (the same values are kept, bit for bit); writes `results/offload_overlap_<device>.json`.
+Prints one line per row, the copy overlap per profiled row, and how far the offload rows' losses (after the
+timed steps) are from the `attn_saveable` row's: the same values are kept, so on CPU they are equal bit for bit;
+on a GPU two runs of one program differ too (cuDNN attention's backward is not deterministic: 2e-4 relative
+after 13 steps between identical-math rows on an H200), so there the check allows LOSS_RTOL. Writes
+`results/offload_overlap_<device>.json`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from gpu_profile import union_intervals
 HERE = Path(__file__).resolve().parent
 SMOKE = ["--device", "cpu", "--layers", "2", "--d", "64", "--heads", "4", "--seq", "32", "--batch", "2",
          "--vocab", "256", "--threads", "1"]
+# Losses of offload rows against attn_saveable's on a GPU: run-to-run noise of one program is ~2e-4 there.
+LOSS_RTOL = 1e-3
 ROWS = {
     "offload": ("offload", "1", True),
     "offload-no-overlap": ("offload", "0", True),
@@ -217,8 +222,10 @@ def main() -> None:
     same = None
     if "attn_saveable" in by_name:
         ref = by_name["attn_saveable"]["loss"]
-        same = all(r["loss"] == ref for r in rows if r["policy"] == "offload")
-        print(f"offload losses equal attn_saveable's (same values kept): {same}")
+        rtol = 0.0 if a.smoke else LOSS_RTOL
+        worst = max((abs(r["loss"] - ref) / abs(ref) for r in rows if r["policy"] == "offload"), default=0.0)
+        same = worst <= rtol
+        print(f"offload losses vs attn_saveable's: largest relative difference {worst:.1e} (allowed {rtol:g}): {same}")
     if "offload" in by_name and "offload-no-overlap" in by_name:
         on, off = by_name["offload"], by_name["offload-no-overlap"]
         print(f"overlap saves {off['step_ms'] - on['step_ms']:.2f} ms per step "

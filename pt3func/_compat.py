@@ -116,3 +116,20 @@ def guard_inductor_cpu_loop_split() -> None:
 
     try_loop_split.pt3func_guarded = True  # type: ignore[attr-defined]
     scheduling.try_loop_split = try_loop_split
+
+
+# Inductor's FX passes that merge collectives into buckets (one launch per bucket instead of one per tensor).
+_COLLECTIVE_BUCKETING = {
+    "bucket_all_gathers_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+    "bucket_all_reduces_fx": "all",
+}
+
+
+def inductor_collective_bucketing() -> dict[str, Any]:
+    """The Inductor config entries that turn on its collective bucketing passes, as far as this torch version has
+    them (all three exist in 2.11 and 2.13; an entry a later version drops is left out, not an error)."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return {name: value for name, value in _COLLECTIVE_BUCKETING.items() if name in known}

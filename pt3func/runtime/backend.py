@@ -7,6 +7,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
+from pt3func._compat import inductor_collective_bucketing
+from pt3func.config import config
+from pt3func.runtime.virtual import in_rank_thread
 from pt3func.trace.capture import TRACE_LOCK
 
 BACKENDS = ("inductor", "eager")
@@ -24,9 +27,34 @@ def compile_program(
 
         # fallback_random: Inductor's own RNG would draw different numbers than eager torch; the contract
         # is that a jitted step sees the same random numbers as the same code run eagerly.
-        with TRACE_LOCK, inductor_config.patch(fallback_random=True):
+        options = {"fallback_random": True, **(inductor_collective_bucketing() if bucket_collectives(gm) else {})}
+        with TRACE_LOCK, inductor_config.patch(options):
             return compile_fx(gm, list(example_inputs), decompositions=_decompositions(example_inputs))
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+_BUCKETED_BY_AUTO = ("all_gather_into_tensor", "reduce_scatter_tensor")
+BUCKET_COLLECTIVES = ("auto", "on", "off")
+
+
+def bucket_collectives(gm: fx.GraphModule) -> bool:
+    """Whether `gm` is compiled with Inductor's collective bucketing (`pf.config.bucket_collectives`)."""
+    setting = config.bucket_collectives
+    if setting not in BUCKET_COLLECTIVES:
+        raise ValueError(f"pf.config.bucket_collectives = {setting!r}: choose one of {BUCKET_COLLECTIVES}")
+    if in_rank_thread():
+        # A virtual mesh's threaded process group has no `out=` collectives, which bucketed programs call.
+        return False
+    if setting != "auto":
+        return setting == "on"
+    on_cuda = sharded = False
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type == "cuda":
+            on_cuda = True
+        target = getattr(node.target, "__name__", "")  # e.g. "all_gather_into_tensor.default"
+        sharded = sharded or (node.op == "call_function" and target.split(".")[0] in _BUCKETED_BY_AUTO)
+    return on_cuda and sharded
 
 
 def _decompositions(example_inputs: Sequence[torch.Tensor]) -> dict | None:
