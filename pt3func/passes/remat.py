@@ -145,7 +145,18 @@ def _producer(node: fx.Node) -> fx.Node:
     return node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
 
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
 def _aliases_input(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        # An element of a view op's list (`unbind`, `split`: q, k, v of one qkv buffer) is a view of its input.
+        source = node.args[0] if node.args else None
+        return isinstance(source, fx.Node) and source.op == "call_function" and _aliases_input(source)
+    if node.target is _UNSAFE_VIEW:
+        # A reshape of a fresh value (a matmul's 2-D result back to 3-D): declared as a new tensor, but Inductor
+        # reinterprets the buffer; counting it as a value of its own priced a matmul's output as a cheap copy.
+        return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 

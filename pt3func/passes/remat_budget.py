@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import operator
 
-import torch
 from torch import fx
 
 from pt3func.analysis import nbytes
@@ -50,23 +49,40 @@ def _multi_output(node: fx.Node) -> bool:
 
 
 def recompute_cost(node: fx.Node) -> float:
-    """Estimated cost of running `node` again: FLOPs (torch's flop formulas) or bytes written, whichever dominates."""
-    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+    """Estimated cost of running `node` again: FLOPs (torch's flop formulas) or bytes written, whichever dominates.
+
+    An output of a multi-output op (`getitem`) costs what its op does: recomputing one output runs the whole op
+    (at 0 the knapsack dropped every LayerNorm and attention output first, and attention ran twice).
+    """
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return recompute_cost(node.args[0])
+    if node.op != "call_function" or is_view(node):
         return 0.0
-    flops = 0.0
-    packet = getattr(node.target, "overloadpacket", None)
+    return max(_flops(node), _FLOPS_PER_BYTE * nbytes(node.meta.get("val")))
+
+
+def compute_bound(node: fx.Node) -> bool:
+    """Whether recomputing `node` costs more in FLOPs than in bytes written (matmuls, attention): such ops are
+    recomputed only where the budget cannot be met otherwise, as torch's partitioner bans them by default."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return compute_bound(node.args[0])
+    if node.op != "call_function" or is_view(node):
+        return False
+    return _flops(node) > _FLOPS_PER_BYTE * nbytes(node.meta.get("val"))
+
+
+def _flops(node: fx.Node) -> float:
     from torch.utils.flop_counter import flop_registry
 
-    formula = flop_registry.get(packet)
-    if formula is not None:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        try:
-            shapes = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.shape, (args, kwargs))
-            out_shape = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.shape, node.meta.get("val"))
-            flops = float(formula(*shapes[0], **shapes[1], out_shape=out_shape))
-        except Exception:  # a formula that wants more than shapes: fall back to the bytes estimate
-            flops = 0.0
-    return max(flops, _FLOPS_PER_BYTE * nbytes(node.meta.get("val")))
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0.0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        # The registry's formulas take the values (its wrapper reads their shapes) and `out_val`.
+        return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that wants more than this: the bytes estimate decides
+        return 0.0
 
 
 def saved_bytes(graph: fx.Graph) -> int:
@@ -90,13 +106,16 @@ def plan_budget(gm: fx.GraphModule, budget: float) -> RematPlan:
     fixed_bytes = sum(nbytes(o.meta.get("val")) for o in fixed)
     target = budget * total
     best: tuple[int, set[fx.Node]] | None = None
-    # First with long recompute chains banned (better peak); if that cannot meet the budget, without.
+    heavy = {n for n in forward if compute_bound(n)}
+    # First with long recompute chains and compute-bound ops the knapsack kept banned (better peak, no matmul run
+    # twice to save the bytes of a cheap value after it); if that cannot meet the budget, without.
     for ban_long in (budget > 0, False):
         room = target - fixed_bytes
         for _ in range(8):
             keep = _knapsack(candidates, room) if room > 0 and budget > 0 else []
-            long = _long_chains(graph, forward, can, set(keep)) if ban_long else set()
-            dropped = set(candidates) - set(keep) - long
+            dropped = set(candidates) - set(keep)
+            long = _long_chains(graph, forward, can, set(keep)) | (heavy - dropped) if ban_long else set()
+            dropped -= long
             recompute, cut_bytes = _min_cut(forward, roots, can, set(keep), dropped, long)
             kept_bytes = cut_bytes + sum(nbytes(k.meta.get("val")) for k in keep)
             if best is None or kept_bytes < best[0]:
