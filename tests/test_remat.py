@@ -174,12 +174,40 @@ def _lower(policy) -> pf.Lowered:
 
 
 def _region_saved(policy) -> list[fx.Node]:
-    """Saved values computed inside a region: not dropout masks, not the input of the next block's region."""
+    """Saved values computed inside a region: not dropout masks, not the region's outputs (read by the next
+    block's region or by the code after the last block: kept, as in JAX)."""
 
-    def next_region_input(n):
-        return any(_in_region(u) and _region(u) != _region(n) for u in n.users)
+    def region_output(n):
+        return any(_region(u) != _region(n) and not _is_backward(u) for u in n.users)
 
-    return [n for n in _saved_nodes(_lower(policy)) if _in_region(n) and not _random(n) and not next_region_input(n)]
+    return [n for n in _saved_nodes(_lower(policy)) if _in_region(n) and not _random(n) and not region_output(n)]
+
+
+def _is_backward(node: fx.Node) -> bool:
+    from pt3func.passes.remat import is_backward
+
+    return is_backward(node)
+
+
+def test_a_region_output_read_after_the_last_block_is_kept_not_recomputed():
+    """The last block's output feeds the code after the blocks, whose backward reads it: recomputing it ran the
+    block's last matmul again, a matmul its own backward never needs."""
+    lowered = _lower(CP.nothing_saveable)
+    nodes = list(lowered.graph_module.graph.nodes)
+    outputs = [
+        n for n in _saved_nodes(lowered)
+        if _in_region(n) and any(not _in_region(u) and not _is_backward(u) for u in n.users)
+    ]
+    assert outputs, "the last block's output is kept"
+    matmuls_behind = {
+        alias_root(i).name
+        for n in outputs
+        for i in n.all_input_nodes
+        if alias_root(i).target is torch.ops.aten.mm.default
+    }
+    assert matmuls_behind
+    remat_of = {str((n.meta.get("custom") or {}).get("pt3func", "")) for n in nodes}
+    assert not {f"remat of %{name}" for name in matmuls_behind} & remat_of, matmuls_behind
 
 
 def _region(node: fx.Node) -> str | None:

@@ -279,6 +279,15 @@ def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
     gathered = _gathered_inputs(graph) if flagged else set()
     allowed = {n for n in graph.nodes if is_collective(n) and custom(n).get(COLLECTIVES_KEY)}
     can = Recomputability(graph, allowed | {n for n in gathered if is_collective(n)})
+    # A region's outputs (values the forward reads outside it) are never recomputed, as in JAX (offloaded where
+    # the policy names them): recomputing the last block's output for the final LayerNorm's backward ran that
+    # block's last matmul again.
+    outputs = {
+        n
+        for n in graph.nodes
+        if region_of(n) is not None
+        and any(not is_backward(u) and _outer(region_of(u)) != _outer(region_of(n)) for u in n.users)
+    }
 
     def decision(node: fx.Node) -> str:
         policy = policy_of(node)
@@ -294,7 +303,7 @@ def plan_from_policies(gm: fx.GraphModule) -> RematPlan:
                 choice = SAVE
         else:
             choice = policy.decide(node)
-        if choice == RECOMPUTE and not can(node):
+        if choice == RECOMPUTE and (not can(node) or node in outputs):
             return SAVE
         if choice == OFFLOAD and not _on_accelerator(node):
             return SAVE  # host memory is where it already is
