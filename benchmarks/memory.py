@@ -67,6 +67,11 @@ PART_A = {
         ]
         for n in (4, 6, 8)
     },
+    # The automatic choice at mild budgets (cost model fixed in session 5: elementwise values go first).
+    **{
+        f"pt3func, memory_budget {b} + CUDA graphs": ["--memory-budget", str(b), "--cuda-graphs"]
+        for b in (0.9, 0.85)
+    },
 }
 PART_B = {
     "none": [],
