@@ -79,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--agree", type=int, default=0, help="top-k indices agreed: 1 rotating leader, 2 union, 3 oracle mean")
     add("--selnu", type=float, default=0.0, help="top-k: select by |v| / nu^sel, nu a local EMA with this decay")
     add("--sel", type=float, default=0.0)
+    add("--global-topk", type=int, default=0,
+        help="top-k: one selection per rank over all compressed leaves at once (k = ratio x their total size)")
     add("--only", default="", help="compress only leaves whose path matches this regex")
     add("--skip", default="", help="leave leaves whose path matches this regex uncompressed")
     add("--steps", type=int, default=300)
@@ -211,8 +213,32 @@ class Sim:
         self.q[i] = q
         return p @ q.t() / self.world, p, q_local
 
+    def exchange_global_topk(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list:
+        """Top-k over the concatenation of every compressed leaf (per rank, with EF): the budget goes where the
+        magnitudes are, not ratio x each leaf's size (Shi et al. 2019's global top-k)."""
+        world, idx_c = self.world, [i for i in range(len(self.shapes)) if self.compressed(i)]
+        out = [sum(grads[r][i] for r in range(world)) / world for i in range(len(self.shapes))]
+        if t >= self.a.dense and idx_c:
+            sizes = [math.prod(self.shapes[i]) for i in idx_c]
+            total = torch.zeros(sum(sizes))
+            for r in range(world):
+                v = torch.cat([(grads[r][i] + self.residual[r][i]).reshape(-1) for i in idx_c])
+                k = max(1, math.ceil(self.ratio_at(t) * v.numel()))
+                sel = torch.topk(v.abs(), k, sorted=False).indices
+                total.index_add_(0, sel, v[sel])
+                left = v.clone()
+                left[sel] = 0
+                for i, part in zip(idx_c, left.split(sizes)):
+                    self.residual[r][i] = part.view(self.shapes[i])
+            for i, part in zip(idx_c, (total / world).split(sizes)):
+                out[i] = part.view(self.shapes[i])
+        out[self.wte] = out[self.wte] + exact[0]
+        return out
+
     def exchange(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list[torch.Tensor]:
         a, world = self.a, self.world
+        if a.fmt == "topk" and a.global_topk:
+            return self.exchange_global_topk(t, grads, exact)
         out = []
         for i, s in enumerate(self.shapes):
             g = [grads[r][i] for r in range(world)]
