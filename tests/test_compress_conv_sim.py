@@ -5,6 +5,7 @@ compressed paths must keep error feedback's invariant (what is sent plus what is
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -40,8 +41,8 @@ def test_fp32_path_is_the_benchmarks_training():
 
 
 def test_topk_and_powersgd_exchanges_keep_error_feedbacks_sum():
-    for fmt in ("topk", "powersgd"):
-        s = sim.Sim(sim.parse_args(["--fmt", fmt, "--d-model", "32", "--ratio", "0.05"]))
+    for flags in (["--fmt", "topk"], ["--fmt", "topk", "--global-topk", "1"], ["--fmt", "powersgd"]):
+        s = sim.Sim(sim.parse_args([*flags, "--d-model", "32", "--ratio", "0.05"]))
         grads = [[torch.randn(sh) for sh in s.shapes] for _ in range(s.world)]
         exact = [torch.zeros(s.shapes[s.wte])]
         held = [[r.clone() for r in rank] for rank in s.residual]
@@ -53,3 +54,17 @@ def test_topk_and_powersgd_exchanges_keep_error_feedbacks_sum():
             kept = sum(s.residual[r][i] for r in range(s.world))
             torch.testing.assert_close(out[i] * s.world + kept, came_in, rtol=1e-4, atol=1e-4)
             assert kept.norm() > 0.1 * came_in.norm()  # it did compress
+
+
+def test_global_topk_sends_one_budget_over_all_leaves():
+    """Global top-k sends ratio x the compressed leaves' total per rank, wherever the magnitudes are: a leaf
+    holding all the large values gets more than its own ratio x size, the others less."""
+    s = sim.Sim(sim.parse_args(["--fmt", "topk", "--global-topk", "1", "--d-model", "32", "--ratio", "0.05"]))
+    compressed = [i for i in range(len(s.shapes)) if s.compressed(i)]
+    loud = compressed[0]
+    grads = [[torch.randn(sh) * (100.0 if i == loud else 1.0) for i, sh in enumerate(s.shapes)] for _ in range(s.world)]
+    s.exchange(0, grads, [torch.zeros(s.shapes[s.wte])])
+    total = sum(s.shapes[i].numel() for i in compressed)
+    sent = {i: int((s.residual[0][i] == 0).sum()) for i in compressed}
+    assert sum(sent.values()) == math.ceil(0.05 * total)
+    assert sent[loud] > 0.05 * s.shapes[loud].numel()
