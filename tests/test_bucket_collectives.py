@@ -132,3 +132,31 @@ def test_compressed_fsdp_exchange_is_unchanged_by_bucketing(fmt):
             assert torch.equal(step_on[name], step_off[name]), name
     for a, b in zip(pf.tree.leaves(on["residuals"]), pf.tree.leaves(off["residuals"])):
         assert torch.equal(a, b)
+
+
+def _bucketed_spmd_cases(rank: int, world: int, names: list[str]) -> dict:
+    import spmd_cases
+
+    pf.config.bucket_collectives = "on"
+    try:
+        return {name: spmd_cases.run_case(name, backend="inductor") for name in names}
+    finally:
+        pf.config.bucket_collectives = "auto"
+
+
+@pytest.mark.slow
+def test_bucketed_fsdp_and_fsdp_x_tp_match_one_device_on_four_ranks():
+    """What "auto" turns on for FSDP on GPUs, forced on here: FSDP over 4 ranks and FSDP x TP on a 2 x 2 mesh
+    (collectives of two process groups in one program) against the single-device run of the same steps."""
+    import spmd_cases
+
+    ref_params, ref_losses = spmd_cases.reference()
+    for result in run_world(4, _bucketed_spmd_cases, ["fsdp", "fsdp_tp"]):
+        for name, case in result.items():
+            for got, want in zip(case["losses"], ref_losses):
+                assert abs(got - want) <= 1e-5 * max(abs(want), 1.0), name
+            for path, want in zip(pf.tree.paths(ref_params), pf.tree.leaves(ref_params)):
+                got = case["params"]
+                for key in path:
+                    got = got[key]
+                assert float((got - want).norm() / want.norm().clamp_min(1e-12)) <= 1e-5, (name, path)
