@@ -30,10 +30,14 @@ EF_FORMATS = {
     "int8": "int8()", "int8_no_ef": "int8(error_feedback=False)", "int4": "int4()",
     "int4_no_ef": "int4(error_feedback=False)", "topk": "topk(0.1)", "powersgd": "powersgd(4)",
     "topk_int8": "chain(topk(0.1), int8())", "int8_stochastic": "int8(stochastic_rounding=True)",
+    "topk_bucketed": "topk(0.1, bucketed=True)",
 }
 EF_STEPS = 12
 # FSDP runs the same code after the reduction's first phase: a few formats suffice there.
-EF_LAYOUTS = {"dp": EF_FORMATS, "fsdp": {k: EF_FORMATS[k] for k in ("int8", "int8_no_ef", "topk", "powersgd")}}
+EF_LAYOUTS = {
+    "dp": EF_FORMATS,
+    "fsdp": {k: EF_FORMATS[k] for k in ("int8", "int8_no_ef", "topk", "powersgd", "topk_bucketed")},
+}
 
 
 # ------------------------------------------------------------------------------------------- formats (unit)

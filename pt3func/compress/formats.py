@@ -380,6 +380,7 @@ class TopK(Format):
     dense_steps: int = 0
     warmup_steps: int = 0
     momentum: float = 0.0
+    bucketed: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -414,6 +415,8 @@ class TopK(Format):
             parts.append(f"values {self.codec.describe()}")
         if self.momentum:
             parts.append(f"momentum correction {self.momentum:g}")
+        if self.bucketed:
+            parts.append("one selection per bucket")
         if self.error_feedback:
             parts.append("EF")
         return ", ".join(parts)
@@ -505,6 +508,30 @@ class TopK(Format):
         if r.kind == "reduce_scatter":
             dense = dense.view(r.world, n // r.world)[r.rank]
         return dense.view(r.out_shape).to(x.dtype), new
+
+    def reduce_bucket(
+        self,
+        xs: Sequence[torch.Tensor],
+        states: Sequence[dict[str, torch.Tensor]],
+        step: torch.Tensor | None,
+        rs: Sequence[Reduction],
+    ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """`bucketed=True`: one selection over the bucket's leaves laid end to end (k = ratio x their total), one
+        all-gather; each leaf gets its part of the sum (its rank's shard for a reduce-scatter) and of the state."""
+        sizes = [x.numel() for x in xs]
+        flat = torch.cat([x.reshape(-1).to(torch.float32) for x in xs])
+        state = {name: torch.cat([s[name].reshape(-1) for s in states]) for name in states[0]}
+        dense, new = self.reduce(flat, state, step, replace(rs[0], kind="all_reduce", out_shape=(flat.numel(),)))
+        outs = []
+        for part, x, r in zip(dense.split(sizes), xs, rs):
+            if r.kind == "reduce_scatter":
+                part = part.view(r.world, -1)[r.rank]
+            outs.append(part.reshape(r.out_shape).to(x.dtype))
+        news: list[dict[str, torch.Tensor]] = [{} for _ in xs]
+        for name, value in new.items():
+            for i, part in enumerate(value.split(sizes)):
+                news[i][name] = part.view(states[i][name].shape)
+        return outs, news
 
 
 def adaptive_alpha(step: torch.Tensor, total_steps: int, start: float = 0.1, end: float = 0.01) -> torch.Tensor:
@@ -714,9 +741,15 @@ def topk(
     dense_steps: int = 0,
     warmup_steps: int = 0,
     momentum: float = 0.0,
+    bucketed: bool = False,
 ) -> Format:
     """Top-k sparsification: each rank sends its k = ceil(ratio * n) largest |values| and their int32 indices
     (8k bytes, all-gathered), the receivers scatter-add them into a dense fp32 sum.
+
+    `bucketed=True` selects over a whole bucket of leaves at once (`pf.config.grad_exchange_bucket_bytes`, the
+    leaves reduced together over one group; a small model is one bucket): k = ratio x the bucket's elements go
+    where the largest magnitudes are, not ratio x each leaf (global top-k, Shi et al. 2019), in one
+    all-gather per bucket instead of one per leaf.
 
     Deep Gradient Compression (Lin et al. 2018) with error feedback (the unsent entries accumulate in the
     residual). `adaptive=True` adds the seed document's threshold (section 3.3): tau = alpha * ||v||_2 /
@@ -738,7 +771,7 @@ def topk(
     from the `ExchangeState`'s step counter, so `comm_bytes` / `as_text()` of a step show what it sends.
     """
     return TopK(ratio, error_feedback, adaptive, total_steps, dense_steps=dense_steps, warmup_steps=warmup_steps,
-                momentum=momentum)
+                momentum=momentum, bucketed=bucketed)
 
 
 def powersgd(

@@ -260,7 +260,7 @@ def _buckets(gm: fx.GraphModule, members: list[_Member], bucket_bytes: int) -> l
     every result before its first reader. Leaves of other formats (and all, with `bucket_bytes` 0) are alone.
     """
     by_collective = {m.collective: m for m in members}
-    packable = [(m.collective, m.wait) for m in members if bucket_bytes and isinstance(m.format, Codec)]
+    packable = [(m.collective, m.wait) for m in members if bucket_bytes and _packs(m.format)]
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     planned = plan_buckets(packable, bucket_bytes, order,
                            key=lambda c: (reduction_key(c), by_collective[c].format))
@@ -268,6 +268,11 @@ def _buckets(gm: fx.GraphModule, members: list[_Member], bucket_bytes: int) -> l
     packed = {c for c, _ in packable}
     buckets += [[m] for m in members if m.collective not in packed]
     return sorted(buckets, key=lambda b: order[b[-1].collective])
+
+
+def _packs(fmt: Format) -> bool:
+    """Whether leaves of `fmt` go into buckets: the elementwise formats, and top-k selecting per bucket."""
+    return isinstance(fmt, Codec) or bool(getattr(fmt, "bucketed", False))
 
 
 def _reduce(bucket: list[_Member], with_step: bool, *flat: torch.Tensor) -> list[torch.Tensor]:
