@@ -213,25 +213,31 @@ class Sim:
         self.q[i] = q
         return p @ q.t() / self.world, p, q_local
 
+    def global_topk(self, t: int, idx_c: list[int], vs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Per rank, one top-k over its vectors `vs[r]` (one per leaf in `idx_c`) laid end to end, with EF (the
+        unsent part becomes the residual): the ranks' mean, per leaf (Shi et al. 2019's global top-k)."""
+        sizes = [math.prod(self.shapes[i]) for i in idx_c]
+        total = torch.zeros(sum(sizes))
+        for r in range(self.world):
+            v = torch.cat([x.reshape(-1) for x in vs[r]])
+            k = max(1, math.ceil(self.ratio_at(t) * v.numel()))
+            sel = torch.topk(v.abs(), k, sorted=False).indices
+            total.index_add_(0, sel, v[sel])
+            left = v.clone()
+            left[sel] = 0
+            for i, part in zip(idx_c, left.split(sizes)):
+                self.residual[r][i] = part.view(self.shapes[i])
+        return [part.view(self.shapes[i]) for i, part in zip(idx_c, (total / self.world).split(sizes))]
+
     def exchange_global_topk(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list:
         """Top-k over the concatenation of every compressed leaf (per rank, with EF): the budget goes where the
         magnitudes are, not ratio x each leaf's size (Shi et al. 2019's global top-k)."""
         world, idx_c = self.world, [i for i in range(len(self.shapes)) if self.compressed(i)]
         out = [sum(grads[r][i] for r in range(world)) / world for i in range(len(self.shapes))]
         if t >= self.a.dense and idx_c:
-            sizes = [math.prod(self.shapes[i]) for i in idx_c]
-            total = torch.zeros(sum(sizes))
-            for r in range(world):
-                v = torch.cat([(grads[r][i] + self.residual[r][i]).reshape(-1) for i in idx_c])
-                k = max(1, math.ceil(self.ratio_at(t) * v.numel()))
-                sel = torch.topk(v.abs(), k, sorted=False).indices
-                total.index_add_(0, sel, v[sel])
-                left = v.clone()
-                left[sel] = 0
-                for i, part in zip(idx_c, left.split(sizes)):
-                    self.residual[r][i] = part.view(self.shapes[i])
-            for i, part in zip(idx_c, (total / world).split(sizes)):
-                out[i] = part.view(self.shapes[i])
+            vs = [[grads[r][i] + self.residual[r][i] for i in idx_c] for r in range(world)]
+            for i, mean in zip(idx_c, self.global_topk(t, idx_c, vs)):
+                out[i] = mean
         out[self.wte] = out[self.wte] + exact[0]
         return out
 
@@ -332,8 +338,19 @@ class Sim:
         exchanged = self.a.onebit_clip == "exchanged"
         c = 1.0 if exchanged else self.clip(mean)
         delivered = []
+        idx_c = [i for i in range(len(self.shapes)) if self.compressed(i)]
+        means: dict[int, torch.Tensor] = {}  # with --global-topk: every compressed leaf's, from one selection
+        if self.a.fmt == "topk" and self.a.global_topk and idx_c:
+            local = [[B1 * self.m[i] + (1 - B1) * c * grads[r][i] + self.residual[r][i] for i in idx_c]
+                     for r in range(world)]
+            means = dict(zip(idx_c, self.global_topk(t, idx_c, local)))
         for i, s in enumerate(self.shapes):
-            if not self.compressed(i):
+            if i in means:
+                self.m[i] = means[i]
+                if i == self.wte:
+                    self.m[i] = self.m[i] + (1 - B1) * c * exact[0]
+                delivered.append(None)
+            elif not self.compressed(i):
                 delivered.append(mean[i])
             else:
                 local = [B1 * self.m[i] + (1 - B1) * c * grads[r][i] + self.residual[r][i] for r in range(world)]
