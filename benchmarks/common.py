@@ -123,8 +123,14 @@ def arrive_and_wait(barrier: str | None, timeout_s: float = 900.0) -> None:
     """
     if not barrier:
         return
-    directory, count, me = barrier.rsplit(":", 2)
-    Path(directory, me).touch()
+    mark_arrived(barrier)
+    directory, count, _ = barrier.rsplit(":", 2)
     deadline = time.monotonic() + timeout_s
     while len(os.listdir(directory)) < int(count) and time.monotonic() < deadline:
         time.sleep(0.5)
+
+
+def mark_arrived(barrier: str) -> None:
+    """Count the run of `barrier` ("DIR:N:ID") as arrived (idempotent: the parent marks runs that ended early)."""
+    directory, _, me = barrier.rsplit(":", 2)
+    Path(directory, me).touch()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, arrive_and_wait, environment, print_table, write_json
+from common import RESULTS, arrive_and_wait, environment, mark_arrived, print_table, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -197,8 +197,7 @@ class Runner:
             return
         finally:
             if run.barrier:  # a run that ended before the barrier (a crash) must not hold the others
-                directory, _, me = run.barrier.rsplit(":", 2)
-                Path(directory, me).touch()
+                mark_arrived(run.barrier)
         record: dict[str, Any] = {}
         for line in done.stdout.splitlines():
             if line.startswith("{"):
