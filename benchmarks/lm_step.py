@@ -154,6 +154,13 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="with --policy: checkpoint only the first N blocks (default: all); the rest keep everything",
     )
+    p.add_argument(
+        "--fence-backward",
+        default=None,
+        metavar="OPS",
+        help="pf.config.fence_backward_ops: 'all', or comma-separated aten backward ops (native_layer_norm_backward) "
+        "whose forward inputs are read behind their gradient (default: pf.config's, off)",
+    )
     p.add_argument("--memory-budget", type=float, default=None, help="pf.jit(memory_budget=...): automatic remat")
     p.add_argument(
         "--max-memory-gib",
@@ -321,6 +328,9 @@ def main() -> None:
         torch._inductor.config.reorder_for_compute_comm_overlap = True
     if a.bucket is not None:
         pf.config.bucket_collectives = a.bucket
+    if a.fence_backward is not None:
+        names = frozenset(n.strip() for n in a.fence_backward.split(",") if n.strip())
+        pf.config.fence_backward_ops = True if names == {"all"} else names
     if a.overlap_scheduler:
         _set_inductor_options({"aten_distributed_optimizations.enable_overlap_scheduling": True})
     params = init_params(a, device)
@@ -442,6 +452,7 @@ def main() -> None:
         policy=a.policy,
         remat_blocks=a.remat_blocks,
         memory_budget=a.memory_budget,
+        fence_backward=sorted(f) if isinstance(f := pf.config.fence_backward_ops, frozenset) else f,
         comm_bytes=cost["comm_bytes"],
         profile=profile,
         grad_exchange=a.grad_exchange if exchange is None else f"{a.grad_exchange} ({exchange.describe()})",

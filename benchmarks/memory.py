@@ -68,6 +68,22 @@ PART_A = {
         ]
         for n in (4, 6, 8)
     },
+    # LayerNorm's backward kept in the backward (Inductor otherwise computes its normalised input in fp32 in the
+    # forward kernel and keeps it: 64 MiB a LayerNorm at the anchor's size, in place of the bf16 input).
+    "pt3func + LN fence + CUDA graphs": ["--fence-backward", "native_layer_norm_backward", "--cuda-graphs"],
+    **{
+        f"pt3func, LN fence, recompute GELU in {n} of 12 blocks + CUDA graphs": [
+            "--fence-backward",
+            "native_layer_norm_backward",
+            "--policy",
+            "recompute_gelu",
+            "--remat-blocks",
+            str(n),
+            "--cuda-graphs",
+        ]
+        for n in (2, 4)
+    },
+    "pt3func + all-op fence + CUDA graphs": ["--fence-backward", "all", "--cuda-graphs"],
     # The automatic choice at mild budgets (cost model fixed in session 5: elementwise values go first).
     **{
         f"pt3func, memory_budget {b} + CUDA graphs": ["--memory-budget", str(b), "--cuda-graphs"]

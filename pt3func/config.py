@@ -10,6 +10,15 @@ def _disabled_from_env() -> frozenset[str]:
     return frozenset(name.strip() for name in os.environ.get("PT3FUNC_DISABLE_PASSES", "").split(",") if name.strip())
 
 
+def _fence_ops_from_env() -> bool | frozenset[str]:
+    value = os.environ.get("PT3FUNC_FENCE_BACKWARD_OPS", "").strip()
+    if value.lower() in ("", "0", "off", "false"):
+        return False
+    if value.lower() in ("1", "on", "all", "true"):
+        return True
+    return frozenset(name.strip() for name in value.split(",") if name.strip())
+
+
 def _int_from_env(name: str, default: int) -> int | None:
     value = os.environ.get(name, "").strip()
     return int(value) if value else default
@@ -58,11 +67,13 @@ class Config:
     (10.3 vs 10.2 GiB at 256 MiB chunks; Inductor schedules other work around the chunks), though it lowers the
     CPU-compiled peak. Also read from PT3FUNC_LOSS_CHUNK_BYTES."""
 
-    fence_backward_ops: bool = False
+    fence_backward_ops: bool | frozenset[str] = field(default_factory=_fence_ops_from_env)
     """Read the forward inputs of composite backward ops (LayerNorm's, GELU's, softmax's) behind their incoming
     gradient (pt3func/passes/backward_fence.py), so that Inductor cannot compute pieces of them in the forward
-    and keep the result until the backward. Off by default: on the anchor GPT step on an H200 it raised the
-    peak (10.48 vs 10.16 GiB) and the step time (43.3 vs 42.3 ms) rather than lowering them."""
+    and keep the result until the backward. True: every such op; a set of aten op names
+    ({"native_layer_norm_backward"}): only those. Off by default: fencing all of them on the anchor GPT step on
+    an H200 raised the peak (10.48 vs 10.16 GiB) and the step time (43.3 vs 42.3 ms) rather than lowering them.
+    Also read from PT3FUNC_FENCE_BACKWARD_OPS ("all" or comma-separated names)."""
 
     bucket_collectives: str = field(default_factory=lambda: os.environ.get("PT3FUNC_BUCKET_COLLECTIVES", "auto"))
     """Inductor's collective bucketing passes (all-gathers, reduce-scatters and all-reduces merged into buckets,

@@ -22,7 +22,7 @@ from pt3func.compress.guard import (
 from pt3func.config import config
 from pt3func.errors import DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
-from pt3func.passes.backward_fence import keep_backward_in_backward
+from pt3func.passes.backward_fence import backward_op, keep_backward_in_backward
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
 from pt3func.passes.chunked_loss import chunk_cross_entropy
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
@@ -327,7 +327,7 @@ class Jitted:
                 order_by_readiness,
             ]
         if self.backend == "inductor" and config.fence_backward_ops:
-            optimisations.append(keep_backward_in_backward)
+            optimisations.append(_backward_fence(config.fence_backward_ops))
         for optimisation in optimisations:
             if optimisation.__name__ not in config.disabled_passes:
                 gm = optimisation(gm)
@@ -385,6 +385,18 @@ def _rewrite_grad_exchange(
     binding = grad_exchange.bind(name, treedef, out_info["treedef"], out_source, graph_input_leaves, tensor_out)
     grad_exchange.check_format(name, fmt, binding)
     return grad_exchange.rewrite(gm, fmt, binding, name=name)
+
+
+def _backward_fence(setting: Any) -> Callable[[Any], Any]:
+    """The backward-fence pass for `config.fence_backward_ops` (True: every op; names: those), named as the pass
+    so that `config.disabled_passes` still finds it."""
+    ops = None if setting is True else [backward_op(name) for name in sorted(setting)]
+
+    def keep_backward_in_backward_pass(gm: Any) -> Any:
+        return keep_backward_in_backward(gm, ops)
+
+    keep_backward_in_backward_pass.__name__ = keep_backward_in_backward.__name__
+    return keep_backward_in_backward_pass
 
 
 def _hashable(x: Any) -> bool:

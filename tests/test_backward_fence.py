@@ -99,3 +99,27 @@ def test_same_numbers_as_without_the_pass_under_inductor():
     assert torch.equal(l1, l2)
     for k in p1:
         assert torch.equal(p1[k], p2[k]), k
+
+
+def test_only_the_named_ops_are_fenced():
+    gm = pf.jit(_step, backend="eager").lower(_params(), *_batch()).graph_module
+    keep_backward_in_backward(gm, [aten.native_layer_norm_backward.default])
+    ops = {n.target: n for n in gm.graph.nodes}
+    assert ops[aten.native_layer_norm_backward.default].args[1].target is aten.where.ScalarSelf
+    assert ops[aten.gelu_backward.default].args[1].target is not aten.where.ScalarSelf
+
+
+def test_config_names_select_the_ops_and_unknown_names_are_refused():
+    import pytest
+
+    pf.config.fence_backward_ops = frozenset({"native_layer_norm_backward"})
+    try:
+        jitted = pf.jit(_step)
+        jitted(_params(), *_batch())
+        nodes = list(jitted.lower(_params(), *_batch()).graph_module.graph.nodes)
+        assert sum(n.target is aten.where.ScalarSelf for n in nodes) == 1  # LayerNorm's input only
+        pf.config.fence_backward_ops = frozenset({"layer_norm_bwd"})
+        with pytest.raises(ValueError, match="layer_norm_bwd"):
+            pf.jit(_step).lower(_params(), *_batch())
+    finally:
+        pf.config.fence_backward_ops = False

@@ -16,8 +16,11 @@ run before it; the select fuses into the op's kernels as one scalar load. Values
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import fx
+from torch._ops import OpOverload
 
 from pt3func.passes.fence import never_after, read_after
 from pt3func.passes.remat import alias_root, is_backward
@@ -51,13 +54,24 @@ _DECOMPOSED_BACKWARD = {
 }
 
 
-def keep_backward_in_backward(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fence the forward inputs of decomposed backward ops behind their incoming gradient (in place)."""
+def backward_op(name: str) -> OpOverload:
+    """The decomposed backward op called `name` ("native_layer_norm_backward"); a clear error for any other."""
+    op = next((o for o in _DECOMPOSED_BACKWARD if o.name() in (name, f"aten::{name}")), None)
+    if op is None:
+        known = ", ".join(sorted(o.name().removeprefix("aten::") for o in _DECOMPOSED_BACKWARD))
+        raise ValueError(f"fence_backward_ops: {name!r} is not a decomposed backward op this pass fences ({known})")
+    return op
+
+
+def keep_backward_in_backward(gm: fx.GraphModule, ops: Collection[OpOverload] | None = None) -> fx.GraphModule:
+    """Fence the forward inputs of decomposed backward ops (`ops`, default all of them) behind their incoming
+    gradient (in place)."""
+    targets = _DECOMPOSED_BACKWARD if ops is None else frozenset(ops)
     graph = gm.graph
     never_of: dict[fx.Node, fx.Node] = {}  # gradient -> its `never` flag (one per gradient)
     changed = False
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _DECOMPOSED_BACKWARD or not is_backward(node):
+        if node.op != "call_function" or node.target not in targets or not is_backward(node):
             continue
         tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
         # A forward value may reach the op through a view or detach recorded in the backward: judge by its storage.
