@@ -45,6 +45,10 @@ _DITHER_SHIFT = tl.constexpr(1.5 - 2.0**-17)  # (1 + b * 2**-16) - this = (b + 1
 # (element kernels): results/quant_kernels_h200_run2.json. int4 (pair kernels): run 4
 # (results/quant_kernels_h200_run4.json, worst ratios quantise 0.945, + EF 1.020, stochastic 0.867, dequantise
 # 0.904); the configs first chosen from the sm_90 code (2048 x 2) measured 0.757 / 0.707 / 0.859 at 64 MiB there.
+# Dequantise stores its (8x or 4x larger) output with the streaming hint: written once, read by the next kernel
+# from HBM anyway. Set from results/quant_kernels_h200_s6.json (see benchmarks/quant_stream.py).
+STREAMING_STORES = True
+
 _CONFIGS = {
     "int8 quantise+ef": (1024, 2, False),
     "int4 quantise+ef": (1024, 8, True),
@@ -203,7 +207,7 @@ def _quantize_kernel(
 def _dequantize_kernel(
     q_ptr, s_ptr, out_ptr, numel, nblocks,
     BLOCK: tl.constexpr, WIDTH: tl.constexpr, BPP: tl.constexpr, INT4: tl.constexpr, WIDE: tl.constexpr,
-    BF16: tl.constexpr, EVEN: tl.constexpr,
+    BF16: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr,
 ):
     rows, offs, in_block = _tile(tl.program_id(0), BLOCK, WIDTH, BPP, WIDE)
     row_ok = rows < nblocks
@@ -231,9 +235,9 @@ def _dequantize_kernel(
     if BF16:
         out = _to_bf16(out)
     if EVEN:
-        tl.store(out_ptr + offs, out)
+        tl.store(out_ptr + offs, out, cache_modifier=STREAM)
     else:
-        tl.store(out_ptr + offs, out, mask=valid)
+        tl.store(out_ptr + offs, out, mask=valid, cache_modifier=STREAM)
 
 
 # The pair kernels: the same computation on words that each hold two neighbouring elements (2j, 2j + 1), the
@@ -337,7 +341,7 @@ def _quantize_pairs_kernel(
 def _dequantize_pairs_kernel(
     q_ptr, s_ptr, outw_ptr, nwords, nblocks,
     BLOCK: tl.constexpr, HALF: tl.constexpr, BPP: tl.constexpr, INT4: tl.constexpr, WIDE: tl.constexpr,
-    BF16: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr,
+    BF16: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr, STREAM: tl.constexpr,
 ):
     """`_dequantize_kernel` on words of two elements: q as uint8 (int4) or int16 (int8) per pair, the output as
     int64 words of two fp32 or int32 words of two bf16. VEC = min(2, HALF)."""
@@ -367,9 +371,9 @@ def _dequantize_pairs_kernel(
     else:
         out = _pack_fp32(out_lo, out_hi)
     if EVEN:
-        tl.store(outw_ptr + offs, out)
+        tl.store(outw_ptr + offs, out, cache_modifier=STREAM)
     else:
-        tl.store(outw_ptr + offs, out, mask=valid)
+        tl.store(outw_ptr + offs, out, mask=valid, cache_modifier=STREAM)
 
 
 def _launch_shape(block: int, numel: int, padded: int, elems_per_program: int | None) -> dict[str, int]:
@@ -475,21 +479,24 @@ def dequantize_blockwise(
     elems_per_program: int | None = None,
     num_warps: int | None = None,
     pairs: bool | None = None,
+    streaming: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.dequantize_blockwise`; `pairs` as in `quantize_blockwise` (the pair kernel
-    needs an even block and an even `numel`; for int8 also a 2-byte aligned `q`).
+    needs an even block and an even `numel`; for int8 also a 2-byte aligned `q`). `streaming`: store the output
+    with the streaming cache hint (`st.global.cs`: written once, not kept in L2; default `STREAMING_STORES`).
 
     The kernel writes fp32 or bf16; other dtypes (fp16) are cast from fp32 by torch afterwards.
     """
     reference.check_format(bits, block)
     if dtype not in (torch.float32, torch.bfloat16):
         return dequantize_blockwise(q, scales, bits, block, numel, torch.float32, elems_per_program=elems_per_program,
-                                    num_warps=num_warps, pairs=pairs).to(dtype)
+                                    num_warps=num_warps, pairs=pairs, streaming=streaming).to(dtype)
     out = torch.empty(numel, dtype=dtype, device=q.device)
     padded = scales.numel() * block
     if numel == 0:
         return out
     epp, warps, use_pairs = default_config(bits, dequantise=True)
+    stream = ".cs" if (STREAMING_STORES if streaming is None else streaming) else ""
     shape = _launch_shape(block, numel, padded, elems_per_program or epp)
     qw = None
     if (use_pairs if pairs is None else pairs) and block % 2 == 0 and numel % 2 == 0:
@@ -498,15 +505,15 @@ def dequantize_blockwise(
         shape = _pairs_shape(shape)
         _dequantize_pairs_kernel[(shape.pop("grid"),)](
             qw, scales, out.view(torch.int64 if dtype == torch.float32 else torch.int32), numel // 2, scales.numel(),
-            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, VEC=min(2, shape["HALF"]), **shape,
-            num_warps=num_warps or warps, enable_fp_fusion=False,
+            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, VEC=min(2, shape["HALF"]), STREAM=stream,
+            **shape, num_warps=num_warps or warps, enable_fp_fusion=False,
         )
     elif pairs:
         raise ValueError("the pair kernel needs an even block and an even numel")
     else:
         _dequantize_kernel[(shape.pop("grid"),)](
             q, scales, out, numel, scales.numel(),
-            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, **shape,
+            BLOCK=block, INT4=bits == 4, BF16=dtype == torch.bfloat16, STREAM=stream, **shape,
             num_warps=num_warps or warps, enable_fp_fusion=False,
         )
     return out
