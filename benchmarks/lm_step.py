@@ -32,6 +32,7 @@ record to `--out`. With `--max-memory-gib` a step that runs out of memory prints
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import os
@@ -153,6 +154,14 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=None,
         help="with --policy: checkpoint only the first N blocks (default: all); the rest keep everything",
+    )
+    p.add_argument(
+        "--inductor-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set torch._inductor.config.NAME (a Python literal) before compiling; repeatable "
+        "(realize_reads_threshold=8: Inductor keeps fewer reused pointwise values as buffers)",
     )
     p.add_argument(
         "--fence-backward",
@@ -331,6 +340,8 @@ def main() -> None:
     if a.fence_backward is not None:
         names = frozenset(n.strip() for n in a.fence_backward.split(",") if n.strip())
         pf.config.fence_backward_ops = True if names == {"all"} else names
+    if a.inductor_option:
+        _set_inductor_options({k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in a.inductor_option)})
     if a.overlap_scheduler:
         _set_inductor_options({"aten_distributed_optimizations.enable_overlap_scheduling": True})
     params = init_params(a, device)
@@ -452,6 +463,7 @@ def main() -> None:
         policy=a.policy,
         remat_blocks=a.remat_blocks,
         memory_budget=a.memory_budget,
+        inductor_options=a.inductor_option,
         fence_backward=sorted(f) if isinstance(f := pf.config.fence_backward_ops, frozenset) else f,
         comm_bytes=cost["comm_bytes"],
         profile=profile,

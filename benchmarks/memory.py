@@ -84,6 +84,26 @@ PART_A = {
         for n in (2, 4)
     },
     "pt3func + all-op fence + CUDA graphs": ["--fence-backward", "all", "--cuda-graphs"],
+    # Inductor realises a pointwise value read by several kernels as a buffer once its expression reads more than
+    # `realize_reads_threshold` (4) buffers; in the whole-step program that keeps forward values (LayerNorm's
+    # normalised input in fp32) alive until the backward. Higher: recomputed inside each reader instead.
+    **{
+        f"pt3func, realize_reads_threshold {t} + CUDA graphs": [
+            "--inductor-option",
+            f"realize_reads_threshold={t}",
+            "--cuda-graphs",
+        ]
+        for t in (8, 16)
+    },
+    "pt3func, realize_reads_threshold 16, recompute GELU in 4 of 12 blocks + CUDA graphs": [
+        "--inductor-option",
+        "realize_reads_threshold=16",
+        "--policy",
+        "recompute_gelu",
+        "--remat-blocks",
+        "4",
+        "--cuda-graphs",
+    ],
     # The automatic choice at mild budgets (cost model fixed in session 5: elementwise values go first).
     **{
         f"pt3func, memory_budget {b} + CUDA graphs": ["--memory-budget", str(b), "--cuda-graphs"]
