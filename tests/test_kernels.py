@@ -149,10 +149,12 @@ def _interpreter_case(bits: int, n: int, block: int, dtype: str = "float32", res
             errors.append(f"{name} differs")
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         w = reference.dequantize_blockwise(want[0], want[1], bits, block, n, out_dtype)
-        g = triton_quant.dequantize_blockwise(want[0].to(device), want[1].to(device), bits, block, n, out_dtype,
-                                              elems_per_program=elems_per_program, pairs=pairs)
-        if not _same(w, g.cpu()):
-            errors.append(f"dequantised {out_dtype} differs")
+        for streaming in (False, True):  # the store's cache hint must not change a value
+            g = triton_quant.dequantize_blockwise(want[0].to(device), want[1].to(device), bits, block, n, out_dtype,
+                                                  elems_per_program=elems_per_program, pairs=pairs,
+                                                  streaming=streaming)
+            if not _same(w, g.cpu()):
+                errors.append(f"dequantised {out_dtype} (streaming stores {streaming}) differs")
     return "; ".join(errors)
 
 
