@@ -26,7 +26,6 @@ from pt3func.passes.backward_fence import backward_op, keep_backward_in_backward
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
 from pt3func.passes.chunked_loss import chunk_cross_entropy
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
-from pt3func.passes.early_matmuls import keep_gradient_matmuls_early
 from pt3func.passes.gather_cast import cast_before_gather
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
@@ -322,7 +321,6 @@ class Jitted:
             # after its last use in the graph, which may be while a collective still in flight reads it.
             optimisations += [
                 chunk_cross_entropy,  # the loss head a block of rows at a time: no whole logits
-                keep_gradient_matmuls_early,  # a tied weight's head gradient is not moved to the end
                 bucket_gradient_all_reduces,
                 issue_collectives_early,
                 sink_waits,
