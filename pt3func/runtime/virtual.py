@@ -12,6 +12,7 @@ A process that uses a virtual mesh cannot also join a real torch.distributed wor
 from __future__ import annotations
 
 import math
+import operator
 import queue
 import threading
 from collections.abc import Callable
@@ -198,6 +199,60 @@ class VirtualArray:
 
     def __repr__(self) -> str:
         return f"VirtualArray(shape={tuple(self.shape)}, dtype={self.dtype}, placements={self.placements})"
+
+    # Eager ops. Code written for a real world applies torch to its DTensors outside any jitted step
+    # (`opt.init(params)`, `params["w"] * 2`, `x.float()`); each process runs that op on its own DTensor. Here every
+    # rank thread does: torch functions (`__torch_function__`, which torch honours for any argument type), tensor
+    # methods and attributes, operators and indexing run on each rank's value, and tensors come back as virtual
+    # arrays (anything else as rank 0's).
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _on_every_rank(func, args, kwargs or {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # private and special names are the handle's own, never a rank's tensor's
+            raise AttributeError(name)
+        attribute = getattr(self.locals[0], name)  # raises torch's own AttributeError for an unknown name
+        if not callable(attribute):
+            return _on_every_rank(getattr, (self, name), {})
+        return lambda *args, **kwargs: _on_every_rank(
+            lambda value, *a, **k: getattr(value, name)(*a, **k), (self, *args), kwargs
+        )
+
+    def __getitem__(self, index: Any) -> Any:
+        return _on_every_rank(lambda value, i: value[i], (self, index), {})
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[[Any, Any], Any]:
+    if reflected:
+        return lambda self, other: _on_every_rank(lambda a, b: op(b, a), (self, other), {})
+    return lambda self, other: _on_every_rank(op, (self, other), {})
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor"):
+    _op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
+    setattr(VirtualArray, f"__{_name}__", _binary(_op))
+    setattr(VirtualArray, f"__r{_name}__", _binary(_op, reflected=True))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(VirtualArray, f"__{_name}__", _binary(getattr(operator, _name)))
+def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda self: _on_every_rank(op, (self,), {})
+
+
+for _name in ("neg", "pos", "abs", "invert"):
+    setattr(VirtualArray, f"__{_name}__", _unary(getattr(operator, _name)))
+VirtualArray.__hash__ = object.__hash__  # defining __eq__ would otherwise make virtual arrays unhashable
+
+
+def _on_every_rank(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`fn(*args, **kwargs)` in every rank thread of the virtual arrays' mesh, each on its own values."""
+    leaves = [x for x in tree.leaves((args, kwargs), is_leaf=_is_leaf) if isinstance(x, VirtualArray)]
+    meshes = {id(x.mesh): x.mesh for x in leaves}
+    if len(meshes) != 1:
+        raise ShardingError(f"an op on virtual arrays of {len(meshes)} different virtual meshes: {fn!r}")
+    mesh = next(iter(meshes.values()))
+    return gather_trees(mesh, mesh.run(lambda rank: fn(*scatter_tree(args, rank), **scatter_tree(kwargs, rank))))
 
 
 def is_virtual_leaf(x: Any) -> bool:
