@@ -72,3 +72,17 @@ def test_private_names_stay_the_handles_own(mesh):
     assert getattr(w, "_local_tensor", None) is None
     with pytest.raises(AttributeError):
         w.no_such_method()
+
+
+def test_checkpointing_a_virtual_tree_is_refused_by_name_before_writing(mesh, tmp_path):
+    params = _put(mesh, _params())
+    manager = pf.checkpointing.CheckpointManager(tmp_path / "ckpt", async_save=False)
+    with pytest.raises(pf.checkpointing.CheckpointError, match="leaf at 'b' is a VirtualArray"):
+        manager.save(1, params)
+    with pytest.raises(pf.checkpointing.CheckpointError, match="'b' is a VirtualArray"):
+        manager.restore(1, target={"b": params["b"]})
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    with pf.set_mesh(mesh):
+        manager.save(1, pf.device_get(params))  # the documented way round: plain tensors
+    restored = manager.restore(1)
+    assert torch.equal(restored["w"], pf.device_get(params["w"]))

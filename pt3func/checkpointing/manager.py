@@ -29,6 +29,22 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _refuse_virtual(tree: PyTree, what: str) -> None:
+    """A virtual mesh's arrays live in its rank threads; DCP would be handed their handles (and fail deep inside
+    with an unpicklable object). Say so, before anything is written or read."""
+    from pt3func.runtime.virtual import VirtualArray
+
+    if tree is None:
+        return
+    found = next((key for key, leaf in keys.flatten(tree)[0].items() if isinstance(leaf, VirtualArray)), None)
+    if found is not None:
+        raise CheckpointError(
+            f"CheckpointManager.{what}: the leaf at {found!r} is a VirtualArray (a virtual mesh's value); "
+            "checkpoints of virtual meshes are not supported: pf.device_get the tree first (plain tensors save and "
+            "restore anywhere, and pf.device_put puts them back on a mesh), or run on a real world (torchrun)"
+        )
+
+
 class CheckpointManager:
     """Numbered checkpoints of a pytree in `directory/step_N/`, written by DCP, committed atomically.
 
@@ -78,6 +94,7 @@ class CheckpointManager:
 
     def save(self, step: int, tree: PyTree) -> None:
         """Checkpoint `tree` as `step`; returns once the tensors are copied (async) or committed (sync)."""
+        _refuse_virtual(tree, "save")
         self.wait()
         flat, structure = keys.flatten(tree)
         world = dist.get_world_size() if _distributed() else 1
@@ -157,6 +174,7 @@ class CheckpointManager:
         file); with `fallback` and `step=None`, a step that fails is skipped with a warning for the one
         before it. Collective on a multi-rank job.
         """
+        _refuse_virtual(target, "restore")
         self.wait()
         choice = self._broadcast(self._choose(step, fallback, verify) if self._rank() == 0 else None)
         if isinstance(choice, str):
