@@ -79,6 +79,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--agree", type=int, default=0, help="top-k indices agreed: 1 rotating leader, 2 union, 3 oracle mean")
     add("--selnu", type=float, default=0.0, help="top-k: select by |v| / nu^sel, nu a local EMA with this decay")
     add("--sel", type=float, default=0.0)
+    add("--ef-decay", type=float, default=1.0,
+        help="top-k (global): keep this fraction of the unsent residual each step (damped error feedback; 1: plain EF)")
+    add("--age-tau", type=float, default=0.0,
+        help="top-k (global): select by |v| x (1 + age / tau), age = steps since a coordinate was last sent (0: off)")
     add("--global-topk", type=int, default=0,
         help="top-k: one selection per rank over all compressed leaves at once (k = ratio x their total size)")
     add("--only", default="", help="compress only leaves whose path matches this regex")
@@ -119,6 +123,7 @@ class Sim:
         self.q = [torch.rand(math.prod(s[1:]), a.rank, generator=gen) - 0.5 if len(s) >= 2 else None
                   for s in self.shapes]
         self.grad_norms: list[float] = []
+        self.age: list[torch.Tensor | None] = [None] * self.world  # per rank, global top-k: steps since sent
 
     # -------------------------------------------------------------------------------------------- model
 
@@ -221,12 +226,20 @@ class Sim:
         for r in range(self.world):
             v = torch.cat([x.reshape(-1) for x in vs[r]])
             k = max(1, math.ceil(self.ratio_at(t) * v.numel()))
-            sel = torch.topk(v.abs(), k, sorted=False).indices
+            score = v.abs()
+            if self.a.age_tau > 0:
+                if self.age[r] is None:
+                    self.age[r] = torch.zeros(v.numel())
+                score = score * (1 + self.age[r] / self.a.age_tau)
+            sel = torch.topk(score, k, sorted=False).indices
+            if self.a.age_tau > 0:
+                self.age[r] += 1
+                self.age[r][sel] = 0
             total.index_add_(0, sel, v[sel])
             left = v.clone()
             left[sel] = 0
             for i, part in zip(idx_c, left.split(sizes)):
-                self.residual[r][i] = part.view(self.shapes[i])
+                self.residual[r][i] = part.view(self.shapes[i]) * self.a.ef_decay
         return [part.view(self.shapes[i]) for i, part in zip(idx_c, (total / self.world).split(sizes))]
 
     def exchange_global_topk(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list:
