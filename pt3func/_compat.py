@@ -27,17 +27,19 @@ def is_plain_shard(placement: object) -> bool:
     return type(placement) is Shard
 
 
-def dtensor_from_local(local: torch.Tensor, device_mesh: Any, placements: tuple, shape: torch.Size,
-                       stride: tuple[int, ...]) -> Any:
-    """A DTensor around `local` with known global shape and stride, without `DTensor.from_local`'s cost.
-
-    `from_local` is an autograd function with checks (hundreds of µs a call on a busy CPU); outside a trace,
-    on values the compiled program produced, the plain constructor does the same in a few µs.
-    """
-    from torch.distributed.tensor import DTensor
+def dtensor_spec(device_mesh: Any, placements: tuple, shape: torch.Size, stride: tuple[int, ...],
+                 dtype: torch.dtype) -> Any:
+    """The DTensorSpec of a DTensor with this layout (build once, share between DTensors: specs are immutable,
+    and building one costs tens of µs in torch 2.13, most of a cheap DTensor's construction)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensorSpec(device_mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+def dtensor_with_spec(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor around `local` with a prebuilt `spec` (see `dtensor_spec`)."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor(local, spec, requires_grad=False)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from pt3func import analysis
-from pt3func._compat import dtensor_from_local
+from pt3func._compat import dtensor_spec, dtensor_with_spec
 from pt3func.trace.source import node_location
 
 # A process global, not a ContextVar: on CUDA the autograd engine runs the backward, and so the gradient hooks
@@ -46,6 +46,7 @@ class DTensorMeta:
     placements: tuple
     shape: torch.Size
     stride: tuple[int, ...]
+    _specs: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # dtype -> DTensorSpec
 
     @classmethod
     def of(cls, x: DTensor) -> DTensorMeta:
@@ -58,8 +59,14 @@ class DTensorMeta:
         )
 
     def rebuild(self, local: torch.Tensor) -> DTensor:
-        """At run time, around a compiled program's output: the same DTensor, built cheaply."""
-        return dtensor_from_local(local, self.device_mesh, self.placements, self.shape, self.stride)
+        """At run time, around a compiled program's output: the same DTensor, built cheaply (its spec built on
+        the first call and shared by every later one: a step's outputs keep their layout)."""
+        spec = self._specs.get(local.dtype)
+        if spec is None:
+            spec = self._specs[local.dtype] = dtensor_spec(
+                self.device_mesh, self.placements, self.shape, self.stride, local.dtype
+            )
+        return dtensor_with_spec(local, spec)
 
 
 class LoweringContext:

@@ -1,0 +1,77 @@
+"""Host cost of one cached pf.jit call with many leaves, plain tensors against DTensors (CPU).
+
+    python benchmarks/sharded_call_overhead.py        # writes benchmarks/results/sharded_call_overhead_cpu.json
+
+A data parallel step's params and optimizer state are DTensors: every call unwraps hundreds of them and wraps as
+many outputs again, host work that a step does on top of the plain-tensor case (benchmarks/call_overhead.py).
+The step here is `--leaves` small weights (4 x 4) with AdamW, so the arithmetic is negligible and what is timed
+is the call around it: once with plain tensors, once with replicated DTensors on a one-rank gloo mesh (no
+launcher needed; the program's all-reduces of one rank are part of the time). Variants take turns
+(`common.time_interleaved`); median and min over `--repeats` batches of `--calls` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+from common import RESULTS, environment, print_table, time_interleaved, write_json
+
+import pt3func as pf
+from pt3func import P
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--leaves", type=int, default=150, help="parameter leaves (AdamW adds two state leaves each)")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", default=str(RESULTS / "sharded_call_overhead_cpu.json"))
+    return p.parse_args()
+
+
+class Loop:
+    def __init__(self, step: Any, params: Any, opt_state: Any, x: torch.Tensor) -> None:
+        self.step, self.params, self.opt_state, self.x = step, params, opt_state, x
+
+    def __call__(self) -> None:
+        self.params, self.opt_state, _ = self.step(self.params, self.opt_state, self.x)
+
+
+def main() -> None:
+    a = parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(4, 4, generator=g) for i in range(a.leaves)}
+    opt = pf.optim.adamw(1e-3)
+
+    def step(p: Any, s: Any, x: torch.Tensor) -> Any:
+        loss, grads = pf.value_and_grad(lambda p, x: sum((w * x).sum() for w in p.values()))(p, x)
+        updates, s = opt.update(grads, s, p)
+        return pf.optim.apply_updates(p, updates), s, loss
+
+    x = torch.randn(4, 4, generator=g)
+    plain = pf.tree.map(torch.clone, params)
+    loops = {"plain tensors": Loop(pf.jit(step, donate_argnums=(0, 1)), plain, opt.init(plain), x)}
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    mesh = pf.make_mesh((1,), ("dp",))
+    with pf.set_mesh(mesh):
+        sharded = pf.device_put(pf.tree.map(torch.clone, params), P())
+        state = pf.jit(opt.init, backend="eager")(sharded)
+        jitted = pf.jit(step, in_shardings=(None, None, P("dp")), donate_argnums=(0, 1))
+        loops["DTensors (1-rank mesh)"] = Loop(jitted, sharded, state, x)
+        for loop in loops.values():
+            loop()  # compile
+        timings = time_interleaved(loops, a.calls, a.repeats, a.warmup)
+    rows = [[name, t["median_us"] / 1e3, t["min_us"] / 1e3] for name, t in timings.items()]
+    print_table(f"Cached pf.jit call, {a.leaves} param leaves + AdamW state (torch {torch.__version__}, 1 thread)",
+                ["variant", "median ms", "min ms"], rows)
+    write_json(a.out, {"environment": environment(), "leaves": a.leaves, "timings": timings})
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
