@@ -29,20 +29,14 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _refuse_virtual(tree: PyTree, what: str) -> None:
-    """A virtual mesh's arrays live in its rank threads; DCP would be handed their handles (and fail deep inside
-    with an unpicklable object). Say so, before anything is written or read."""
+def _virtual_mesh(tree: PyTree) -> Any:
+    """The virtual mesh whose arrays `tree` holds, or None (plain tensors, DTensors of a real world)."""
     from pt3func.runtime.virtual import VirtualArray
 
     if tree is None:
-        return
-    found = next((key for key, leaf in keys.flatten(tree)[0].items() if isinstance(leaf, VirtualArray)), None)
-    if found is not None:
-        raise CheckpointError(
-            f"CheckpointManager.{what}: the leaf at {found!r} is a VirtualArray (a virtual mesh's value); "
-            "checkpoints of virtual meshes are not supported: pf.device_get the tree first (plain tensors save and "
-            "restore anywhere, and pf.device_put puts them back on a mesh), or run on a real world (torchrun)"
-        )
+        return None
+    found = next((leaf for leaf in keys.flatten(tree)[0].values() if isinstance(leaf, VirtualArray)), None)
+    return None if found is None else found.mesh
 
 
 class CheckpointManager:
@@ -74,10 +68,20 @@ class CheckpointManager:
         self._group: dist.ProcessGroup | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pt3func-checkpoint")
         self._pending: tuple[int, Future] | None = None
+        self._virtual: tuple[Any, list[CheckpointManager]] | None = None  # a virtual mesh, its rank threads' managers
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
                 f"async_save={self.async_save})")
+
+    def _rank_managers(self, mesh: Any) -> list[CheckpointManager]:
+        """One synchronous manager of this directory per rank thread of a virtual mesh (made in that thread, so
+        its process group is of that rank's world)."""
+        self.wait()
+        if self._virtual is None or self._virtual[0] is not mesh:
+            self._virtual = (mesh, mesh.run(lambda rank: CheckpointManager(
+                self.directory, self.max_to_keep, async_save=False, before_commit=self._before_commit)))
+        return self._virtual[1]
 
     # -- queries (local: no collective) --
 
@@ -93,8 +97,19 @@ class CheckpointManager:
     # -- save --
 
     def save(self, step: int, tree: PyTree) -> None:
-        """Checkpoint `tree` as `step`; returns once the tensors are copied (async) or committed (sync)."""
-        _refuse_virtual(tree, "save")
+        """Checkpoint `tree` as `step`; returns once the tensors are copied (async) or committed (sync).
+
+        A tree of a virtual mesh's arrays is saved by every rank thread, each writing its own shards, as the
+        processes of a real world do; such a save is synchronous (the rank threads' worlds do not reach a
+        background thread).
+        """
+        mesh = _virtual_mesh(tree)
+        if mesh is not None:
+            from pt3func.runtime.virtual import scatter_tree
+
+            ranks = self._rank_managers(mesh)
+            mesh.run(lambda rank: ranks[rank].save(step, scatter_tree(tree, rank)))
+            return
         self.wait()
         flat, structure = keys.flatten(tree)
         world = dist.get_world_size() if _distributed() else 1
@@ -172,9 +187,16 @@ class CheckpointManager:
 
         `verify` checks every file against the manifest's checksums first (CheckpointError naming the
         file); with `fallback` and `step=None`, a step that fails is skipped with a warning for the one
-        before it. Collective on a multi-rank job.
+        before it. Collective on a multi-rank job. A target of a virtual mesh's arrays is restored by every rank
+        thread into its own shards, and comes back as virtual arrays.
         """
-        _refuse_virtual(target, "restore")
+        mesh = _virtual_mesh(target)
+        if mesh is not None:
+            from pt3func.runtime.virtual import gather_trees, scatter_tree
+
+            ranks = self._rank_managers(mesh)
+            return gather_trees(mesh, mesh.run(lambda rank: ranks[rank].restore(
+                step, scatter_tree(target, rank), fallback=fallback, verify=verify)))
         self.wait()
         choice = self._broadcast(self._choose(step, fallback, verify) if self._rank() == 0 else None)
         if isinstance(choice, str):
