@@ -29,14 +29,11 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _virtual_mesh(tree: PyTree) -> Any:
-    """The virtual mesh whose arrays `tree` holds, or None (plain tensors, DTensors of a real world)."""
+def _virtual_mesh(leaves: Any) -> Any:
+    """The virtual mesh whose arrays are among `leaves`, or None (plain tensors, DTensors of a real world)."""
     from pt3func.runtime.virtual import VirtualArray
 
-    if tree is None:
-        return None
-    found = next((leaf for leaf in keys.flatten(tree)[0].values() if isinstance(leaf, VirtualArray)), None)
-    return None if found is None else found.mesh
+    return next((leaf.mesh for leaf in leaves if isinstance(leaf, VirtualArray)), None)
 
 
 class CheckpointManager:
@@ -103,7 +100,8 @@ class CheckpointManager:
         processes of a real world do; such a save is synchronous (the rank threads' worlds do not reach a
         background thread).
         """
-        mesh = _virtual_mesh(tree)
+        flat, structure = keys.flatten(tree)
+        mesh = _virtual_mesh(flat.values())
         if mesh is not None:
             from pt3func.runtime.virtual import scatter_tree
 
@@ -111,7 +109,6 @@ class CheckpointManager:
             mesh.run(lambda rank: ranks[rank].save(step, scatter_tree(tree, rank)))
             return
         self.wait()
-        flat, structure = keys.flatten(tree)
         world = dist.get_world_size() if _distributed() else 1
         manifest = mf.new_manifest(int(step), structure, flat, world)
         state_dict = {key: _unshared_scalar(leaf) for key, leaf in flat.items() if key not in manifest["values"]}
@@ -190,7 +187,7 @@ class CheckpointManager:
         before it. Collective on a multi-rank job. A target of a virtual mesh's arrays is restored by every rank
         thread into its own shards, and comes back as virtual arrays.
         """
-        mesh = _virtual_mesh(target)
+        mesh = None if target is None else _virtual_mesh(keys.flatten(target)[0].values())
         if mesh is not None:
             from pt3func.runtime.virtual import gather_trees, scatter_tree
 

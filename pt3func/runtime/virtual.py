@@ -230,16 +230,16 @@ def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[
     return lambda self, other: _on_every_rank(op, (self, other), {})
 
 
+def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda self: _on_every_rank(op, (self,), {})
+
+
 for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor"):
     _op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
     setattr(VirtualArray, f"__{_name}__", _binary(_op))
     setattr(VirtualArray, f"__r{_name}__", _binary(_op, reflected=True))
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
     setattr(VirtualArray, f"__{_name}__", _binary(getattr(operator, _name)))
-def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda self: _on_every_rank(op, (self,), {})
-
-
 for _name in ("neg", "pos", "abs", "invert"):
     setattr(VirtualArray, f"__{_name}__", _unary(getattr(operator, _name)))
 VirtualArray.__hash__ = object.__hash__  # defining __eq__ would otherwise make virtual arrays unhashable
