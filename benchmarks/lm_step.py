@@ -172,6 +172,20 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--memory-budget", type=float, default=None, help="pf.jit(memory_budget=...): automatic remat")
     p.add_argument(
+        "--loss-chunk-mib",
+        type=float,
+        default=None,
+        help="pf.config.loss_chunk_bytes: the loss head (logits, cross-entropy, its backward) in row chunks of at "
+        "most this many MiB of fp32 logits (default: pf.config's, off)",
+    )
+    p.add_argument(
+        "--sdpa-priority",
+        default=None,
+        metavar="BACKENDS",
+        help="comma-separated SDPA backends in priority order (cudnn,flash,efficient,math), set process-wide "
+        "before tracing (torch.nn.attention.sdpa_kernel(..., set_priority=True))",
+    )
+    p.add_argument(
         "--max-memory-gib",
         type=float,
         default=None,
@@ -340,6 +354,14 @@ def main() -> None:
     if a.fence_backward is not None:
         names = frozenset(n.strip() for n in a.fence_backward.split(",") if n.strip())
         pf.config.fence_backward_ops = True if names == {"all"} else names
+    if a.loss_chunk_mib is not None:
+        pf.config.loss_chunk_bytes = int(a.loss_chunk_mib * 2**20)
+    if a.sdpa_priority:
+        from torch.nn.attention import SDPBackend, _sdpa_kernel
+
+        names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+        _sdpa_kernel([getattr(SDPBackend, names[n]) for n in a.sdpa_priority.split(",")], set_priority=True)
     if a.inductor_option:
         _set_inductor_options({k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in a.inductor_option)})
     if a.overlap_scheduler:
@@ -464,6 +486,8 @@ def main() -> None:
         remat_blocks=a.remat_blocks,
         memory_budget=a.memory_budget,
         inductor_options=a.inductor_option,
+        sdpa_priority=a.sdpa_priority,
+        loss_chunk_bytes=pf.config.loss_chunk_bytes,
         fence_backward=sorted(f) if isinstance(f := pf.config.fence_backward_ops, frozenset) else f,
         comm_bytes=cost["comm_bytes"],
         profile=profile,

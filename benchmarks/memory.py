@@ -104,6 +104,32 @@ PART_A = {
         "4",
         "--cuda-graphs",
     ],
+    # The loss head a block of rows at a time (pf.config.loss_chunk_bytes): the 1 GiB of bf16 logits never exist
+    # whole. Session 7: each chunk's loss is now summed before the next chunk starts (Inductor had fused every
+    # chunk's sum into one kernel at the end, which kept all the chunks' logits alive).
+    **{
+        f"pt3func, loss in {m} MiB chunks + CUDA graphs": ["--loss-chunk-mib", str(m), "--cuda-graphs"]
+        for m in (256, 512)
+    },
+    **{
+        f"pt3func, loss in 256 MiB chunks, recompute GELU in {n} of 12 blocks + CUDA graphs": [
+            "--loss-chunk-mib",
+            "256",
+            "--policy",
+            "recompute_gelu",
+            "--remat-blocks",
+            str(n),
+            "--cuda-graphs",
+        ]
+        for n in (1, 2)
+    },
+    "pt3func, loss in 256 MiB chunks, LN fence + CUDA graphs": [
+        "--loss-chunk-mib",
+        "256",
+        "--fence-backward",
+        "native_layer_norm_backward",
+        "--cuda-graphs",
+    ],
     # The automatic choice at mild budgets (cost model fixed in session 5: elementwise values go first).
     **{
         f"pt3func, memory_budget {b} + CUDA graphs": ["--memory-budget", str(b), "--cuda-graphs"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from pt3func import tree
 from pt3func.compress.formats import Format
@@ -234,7 +236,11 @@ class Jitted:
                 meta = dtensor_in.get(i)
                 call_leaves[i] = value if meta is None else lower.wrap_input(value, meta, labels[i])
             args, kwargs = rebuild_call(treedef, static, call_leaves)
-            out = fn(*args, **kwargs)
+            # A tensor the step creates itself (a mask, positions, a constant) is the same on every rank: it
+            # meets the sharded inputs as a replicated value, as a constant in a JAX jit does (DTensor refuses
+            # plain tensors beside DTensors otherwise).
+            with implicit_replication() if dtensor_in else contextlib.nullcontext():
+                out = fn(*args, **kwargs)
             out_leaves, out_treedef = tree.flatten(out)
             out_info["treedef"] = out_treedef
             out_info["leaves"] = out_leaves

@@ -70,6 +70,32 @@ def test_rewrites_the_loss_head_into_row_chunks(small_chunks):
             assert val.numel() <= N_TOKENS * VOCAB // 3, node.format_node()
 
 
+def _ancestors(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for parent in todo.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_each_chunk_finishes_before_the_next_starts(small_chunks):
+    # A chunk's logits may be freed only once its loss is summed and its gradient multiplied out: the next
+    # chunk's logits matmul depends on both (Inductor otherwise summed every chunk's loss in one kernel at the
+    # end, which kept every chunk's logits alive).
+    gm = chunk_cross_entropy(_program(_make_step(), _params(), *_batch()))
+    nodes = list(gm.graph.nodes)
+    losses = [n for n in nodes if n.target is aten.nll_loss_forward.default]
+    logits = [n for n in nodes if n.target is aten.mm.default and n.meta["val"].shape == (N_TOKENS // 3, VOCAB)]
+    grads = [n for n in nodes if n.target is torch.ops.pt3func.matmul_accumulate.default]
+    assert len(losses) == len(logits) == len(grads) == 3
+    for i in (1, 2):
+        before = _ancestors(logits[i])
+        assert losses[i - 1] in before and grads[i - 1] in before
+        assert losses[i] not in before
+
+
 @pytest.mark.parametrize("ce_kwargs", [{"label_smoothing": 0.1}, {"weight": True}, {"reduction": "none"}])
 def test_other_losses_are_left_alone(small_chunks, ce_kwargs):
     def loss_fn(p, idx, tgt):

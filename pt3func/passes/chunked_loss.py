@@ -271,24 +271,25 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> bool:
     total = b(aten.sum.default, (b(aten.ne.Scalar, (target, ignore), fwd_like),), fwd_like, dtype=ls_val.dtype)
     n = head.gradient.meta["val"].shape[0]
     bounds = [n * c // chunks for c in range(chunks + 1)]
-    sums: list[fx.Node] = []
+    loss: fx.Node | None = None  # the running sum of the chunks' losses
     rows: list[list[fx.Node]] = [[] for _ in head.row_users]
     acc: list[fx.Node | None] = [None for _ in head.transposed_users]
-    last: fx.Node | None = None  # the previous chunk's last value
+    last: list[fx.Node] = []  # the previous chunk's last values
     for lo, hi in zip(bounds, bounds[1:]):
         h_c = b(aten.slice.Tensor, (h, 0, lo, hi), fwd_like)
-        if last is not None:
+        for token in last:
             # Chunks are independent, so a compiler may run all the logits matmuls first (Inductor does), which
-            # keeps every chunk's logits alive. Reading h through the previous chunk's result orders them.
+            # keeps every chunk's logits alive. Reading h through the previous chunk's results orders them.
             with graph.inserting_before(at):
-                h_c = read_after(graph, never_after(graph, last, at), h_c, at)
+                h_c = read_after(graph, never_after(graph, token, at), h_c, at)
         logits = b(aten.mm.default, (h_c, wt), head.matmul)
         if logits.meta["val"].dtype != ls_val.dtype:
             logits = b(aten._to_copy.default, (logits,), fwd_like, dtype=ls_val.dtype)
         t_c = b(aten.slice.Tensor, (target, 0, lo, hi), fwd_like)
         ls = b(aten._log_softmax.default, (logits, 1, False), fwd_like)
         loss_c = b(aten.nll_loss_forward.default, (ls, t_c, None, _SUM, ignore), head.loss_forward)
-        sums.append(b(operator.getitem, (loss_c, 0), head.loss_forward))
+        loss_sum = b(operator.getitem, (loss_c, 0), head.loss_forward)
+        loss = loss_sum if loss is None else b(aten.add.Tensor, (loss, loss_sum), head.loss_forward)
         g = b(aten.nll_loss_backward.default, (seed, ls, t_c, None, reduction, ignore, total), head.loss_backward)
         g = b(aten._log_softmax_backward_data.default, (g, ls, 1, head.softmax_backward.args[3]), bwd_like)
         d_dtype = head.gradient.meta["val"].dtype
@@ -300,10 +301,10 @@ def _rewrite(graph: fx.Graph, head: _LossHead, chunks: int) -> bool:
         for k, (user, z) in enumerate(zip(head.transposed_users, col_operands)):
             z_c = b(aten.slice.Tensor, (z, 0, lo, hi), user)
             acc[k] = _accumulate(b, acc[k], g_t, z_c, user)
-        last = acc[-1] if acc else rows[-1][-1]
-    loss = sums[0]
-    for s in sums[1:]:
-        loss = b(aten.add.Tensor, (loss, s), head.loss_forward)
+        # The running loss is a token too: a loss summed only after the last chunk reads every chunk's logits
+        # (Inductor fused all the chunks' sums into one kernel at the end, which kept all the logits alive).
+        last = [acc[-1] if acc else rows[-1][-1], loss]
+    assert loss is not None
     if reduction == _MEAN:
         loss = b(aten.div.Tensor, (loss, total), head.loss_forward)
     replacements = {loss_item: loss}

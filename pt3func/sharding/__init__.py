@@ -1,5 +1,6 @@
 """Meshes, partition specs and placing pytrees on a mesh."""
 
+from pt3func.sharding import op_rules  # noqa: F401  (registers sharding rules DTensor lacks)
 from pt3func.sharding.mesh import Mesh, get_mesh, make_mesh, set_mesh
 from pt3func.sharding.put import device_get, device_put, sharding_of, with_sharding_constraint
 from pt3func.sharding.spec import NamedSharding, P, PartitionSpec, placements_for, spec_from_placements

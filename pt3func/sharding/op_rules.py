@@ -1,0 +1,76 @@
+"""Sharding rules DTensor lacks for ops a pure step commonly reaches, registered once on import.
+
+DTensor shards scaled-dot-product attention on CUDA (flash, efficient, cuDNN kernels) but has no rule for the
+CPU kernel `F.scaled_dot_product_attention` dispatches to (`_scaled_dot_product_flash_attention_for_cpu` and its
+backward): a data parallel or tensor parallel step on a gloo world failed inside DTensor with
+"Operator ... does not have a sharding strategy registered". The rules here are DTensor's own for the CUDA flash
+kernel, over the CPU kernel's signature: everything replicated, or batch (dim 0) sharded, or heads (dim 1)
+sharded, for every tensor of the op. An attention mask follows q along the dims it has (a dim of size 1
+broadcasts, so it stays replicated there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+
+aten = torch.ops.aten
+
+
+def _mask_placement(op_schema: OpSchema, dim: int, size: int) -> list:
+    """The attention mask's placement when q is sharded on `dim` (of size `size`): [] without a mask."""
+    mask = op_schema.kwargs_schema.get("attn_mask")
+    if not isinstance(mask, OpStrategy):
+        return []
+    shape = mask.shape
+    # A mask is (L, S) or broadcasts over (B, H, L, S); dim counts from q's (B, H, L, E).
+    mask_dim = dim - (4 - len(shape))
+    sharded = mask_dim >= 0 and shape[mask_dim] == size and size > 1
+    return [Shard(mask_dim) if sharded else Replicate()]
+
+
+def _attention_strategies(op_schema: OpSchema, n_outputs: int, q_index: int) -> list[list]:
+    """[outputs..., tensor inputs..., mask?] placements: replicated, batch sharded, heads sharded."""
+    tensor_args = [a for a in op_schema.args_schema if isinstance(a, OpStrategy)]
+    q_shape = op_schema.args_schema[q_index].shape
+    strategies = []
+    all_replicated = [Replicate()] * (n_outputs + len(tensor_args)) + _mask_placement(op_schema, -1, 0)
+    strategies.append(all_replicated)
+    for dim in (0, 1):  # batch, heads: attention is independent across both
+        strategies.append([Shard(dim)] * (n_outputs + len(tensor_args)) + _mask_placement(op_schema, dim, q_shape[dim]))
+    return strategies
+
+
+def _cpu_flash_forward(op_schema: OpSchema) -> OpStrategy:
+    # outputs: (output, logsumexp); inputs: q, k, v (then attn_mask, a keyword)
+    mesh = op_schema.get_mesh_from_args()
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 2, 0), input_index=2)
+
+
+def _cpu_flash_backward(op_schema: OpSchema) -> OpStrategy:
+    # outputs: (grad_q, grad_k, grad_v); inputs: grad_out, q, k, v, out, logsumexp (then attn_mask)
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 1), input_index=3)
+
+
+def _registered() -> set:
+    from torch.distributed.tensor import DTensor
+
+    return set(DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs)
+
+
+def register_missing_rules() -> None:
+    """Register each rule here whose op this torch's DTensor cannot shard yet (a later torch's own rule wins)."""
+    have = _registered()
+    rules = (
+        (aten._scaled_dot_product_flash_attention_for_cpu.default, _cpu_flash_forward, RuntimeSchemaInfo(3)),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, _cpu_flash_backward, RuntimeSchemaInfo(6)),
+    )
+    for op, rule, schema_info in rules:
+        if op not in have:
+            register_op_strategy(op, schema_info=schema_info)(rule)
+
+
+register_missing_rules()
