@@ -127,26 +127,8 @@ def _attention(x: torch.Tensor, p: Params, config: GPTConfig, train: bool) -> to
         _linear(x, p["qkv"]["weight"], config), "b t (h three d) -> three b h t d", three=3, h=config.n_heads
     )
     dropout_p = config.dropout if train else 0.0
-    if isinstance(q, DTensor) and q.device.type == "cpu":
-        y = _plain_attention(q, k, v, dropout_p)
-    else:
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return _sum_partials(_linear(rearrange(y, "b h t d -> b t (h d)"), p["proj"]["weight"], config))
-
-
-def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal attention from matmuls and softmax, for DTensors on CPU.
-
-    DTensor has no sharding rule for the fused CPU attention kernel, and its math fallback reads a scalar
-    back into Python; these ops all have rules. The causal mask is built on every rank: replicated.
-    """
-    t = q.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    replicated = [Replicate()] * scores.device_mesh.ndim
-    causal = DTensor.from_local(causal, scores.device_mesh, replicated, run_check=False)
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return F.dropout(scores.softmax(-1), dropout_p) @ v
 
 
 def _mlp(x: torch.Tensor, p: Params, config: GPTConfig) -> torch.Tensor:
