@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.spmd import lower
+from pt3func.spmd.vocab_embedding import VocabParallelEmbedding
 from pt3func.stages import Compiled, Lowered, Program
 from pt3func.trace import capture
 from pt3func.trace.signature import (
@@ -238,8 +239,8 @@ class Jitted:
             args, kwargs = rebuild_call(treedef, static, call_leaves)
             # A tensor the step creates itself (a mask, positions, a constant) is the same on every rank: it
             # meets the sharded inputs as a replicated value, as a constant in a JAX jit does (DTensor refuses
-            # plain tensors beside DTensors otherwise).
-            with implicit_replication() if dtensor_in else contextlib.nullcontext():
+            # plain tensors beside DTensors otherwise). Lookups into a row-sharded table are lowered by pt3func.
+            with _sharded_tracing() if dtensor_in else contextlib.nullcontext():
                 out = fn(*args, **kwargs)
             out_leaves, out_treedef = tree.flatten(out)
             out_info["treedef"] = out_treedef
@@ -528,3 +529,10 @@ def jit(
     if fn is None:
         return functools.partial(jit, **options)
     return Jitted(fn, **options)
+
+
+@contextlib.contextmanager
+def _sharded_tracing() -> Iterator[None]:
+    """What a sharded step is traced under: plain tensors taken as replicated, row-sharded lookups lowered."""
+    with implicit_replication(), VocabParallelEmbedding():
+        yield

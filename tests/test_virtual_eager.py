@@ -103,3 +103,12 @@ def test_sharded_outputs_share_one_spec_per_leaf_across_calls(mesh):
             a, b = first[key].locals[rank], second[key].locals[rank]
             assert a._spec is b._spec and a.placements == params[key].placements
         assert torch.equal(second[key].full(), params[key].full() * 2)
+
+
+def test_virtual_meshes_leave_the_process_excepthook_alone():
+    import sys
+
+    before = sys.excepthook
+    pf.make_mesh((2,), ("dp",), virtual=True)
+    pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    assert sys.excepthook is before  # no "[rank0]: [rank1]: ..." prefixes stacked on later tracebacks

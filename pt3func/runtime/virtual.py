@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -43,9 +44,15 @@ class VirtualWorld:
             threading.Thread(target=self._serve, args=(rank,), name=f"pt3func-virtual-rank{rank}", daemon=True)
             for rank in range(size)
         ]
-        for t in self._threads:
-            t.start()
-        self.run(lambda rank: None)  # every rank has joined its world
+        # Each rank's init_process_group wraps the process's sys.excepthook to prefix "[rankN]:" to tracebacks;
+        # in one process that stacks N prefixes per virtual mesh on every later uncaught error. Keep the user's.
+        excepthook = sys.excepthook
+        try:
+            for t in self._threads:
+                t.start()
+            self.run(lambda rank: None)  # every rank has joined its world
+        finally:
+            sys.excepthook = excepthook
 
     def _serve(self, rank: int) -> None:
         _LOCAL.rank, _LOCAL.world = rank, self

@@ -1,0 +1,102 @@
+"""Embedding lookups into a table sharded on its rows (vocabulary-parallel embedding), lowered explicitly.
+
+DTensor shards such a lookup with a `_MaskPartial` placement that keeps the out-of-range mask as state on the
+placement object; in a traced whole step that state is gone by the time the backward needs it, and the trace
+fails deep in DTensor (`AssertionError` in `_MaskPartial._reduce_value`; pytorch/pytorch#130725, #160697). While a
+sharded step is traced, pt3func computes these lookups itself, Megatron's way: each rank looks up the indices that
+fall in its own rows (the others read row 0 and are zeroed), and the result is a partial sum over the axes that
+split the rows, which DTensor reduces where it is next used (one all-reduce, as DTensor's own rule would). The
+backward is the local lookup's: each rank's gradient lands in its own rows only. Lookups DTensor handles well
+(replicated tables, tables split on the embedding dim) and options this lowering does not cover (`max_norm`,
+which writes the table; `scale_grad_by_freq` and `sparse`) are left to DTensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+
+from pt3func._compat import is_plain_shard
+
+
+class VocabParallelEmbedding(TorchFunctionMode):
+    """While active, `F.embedding(indices, table)` with `table` a DTensor sharded on dim 0 runs as described above."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            lowered = _lookup(*args, **kwargs)
+            if lowered is not None:
+                return lowered
+        return func(*args, **kwargs)
+
+
+def _lookup(
+    indices: Any, weight: Any, padding_idx: int | None = None, max_norm: float | None = None,
+    norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
+) -> torch.Tensor | None:
+    if not isinstance(weight, DTensor) or max_norm is not None or scale_grad_by_freq or sparse:
+        return None
+    row_dims = [d for d, p in enumerate(weight.placements) if is_plain_shard(p) and p.dim == 0]
+    if not row_dims or any(not is_plain_shard(p) and not p.is_replicate() for p in weight.placements):
+        return None  # rows not split, or a placement (partial, strided) this lowering does not reason about
+    mesh = weight.device_mesh
+    if not isinstance(indices, DTensor):
+        indices = DTensor.from_local(indices, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    # Every rank needs all the indices of its batch block: replicate them over the axes that split the rows.
+    wanted = [Replicate() if d in row_dims else p for d, p in enumerate(indices.placements)]
+    if any(isinstance(p, Partial) for p in wanted):
+        return None
+    if tuple(wanted) != tuple(indices.placements):
+        indices = indices.redistribute(mesh, wanted)
+    out_placements, grad_placements = [], []
+    for d in range(mesh.ndim):
+        w, i = weight.placements[d], indices.placements[d]
+        if d in row_dims:
+            out_placements.append(Partial())
+            grad_placements.append(Replicate())  # d(partial sum)/d(each rank's part) is the whole gradient
+        elif is_plain_shard(i):
+            out_placements.append(i)
+            grad_placements.append(i)
+        elif is_plain_shard(w):  # w.dim == 1: the embedding dim is split, the output's last dim
+            out_placements.append(Shard(indices.ndim))
+            grad_placements.append(Shard(indices.ndim))
+        else:
+            out_placements.append(Replicate())
+            grad_placements.append(Replicate())
+    # The local table's gradient holds only this rank's indices: a partial sum over the axes that split them.
+    table_grad = [Partial() if is_plain_shard(i) and w.is_replicate() else w
+                  for w, i in zip(weight.placements, indices.placements)]
+    table = weight.to_local(grad_placements=table_grad)
+    first, rows = _first_row(weight.shape[0], mesh, row_dims), table.shape[0]
+    local = indices.to_local()
+    inside = (local >= first) & (local < first + rows)
+    local_padding = None
+    if padding_idx is not None:
+        padding = padding_idx % weight.shape[0]
+        local_padding = padding - first if first <= padding < first + rows else None
+    looked_up = F.embedding(torch.where(inside, local - first, 0), table, padding_idx=local_padding)
+    looked_up = looked_up * inside.unsqueeze(-1).to(looked_up.dtype)
+    shape = (*indices.shape, weight.shape[1])
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(
+        looked_up, mesh, out_placements, run_check=False, shape=torch.Size(shape), stride=stride,
+        grad_placements=grad_placements,
+    )
+
+
+def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:
+    """The global index of this rank's first row: the row blocks of each splitting axis, in mesh order (as
+    DTensor nests them), from this rank's mesh coordinate (Python ints: the program is this rank's)."""
+    coordinate = mesh.get_coordinate()
+    first, size = 0, n_rows
+    for d in row_dims:
+        chunk = -(-size // mesh.size(d))  # torch.chunk's block size
+        start = min(coordinate[d] * chunk, size)
+        first, size = first + start, min(chunk, size - start)
+    return first
