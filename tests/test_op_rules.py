@@ -83,3 +83,29 @@ def test_tensors_made_inside_a_sharded_step_are_replicated(mesh):
     with pf.set_mesh(mesh):
         out = pf.device_get(pf.jit(step, backend="eager")(pf.device_put(x, P("dp"))))
     torch.testing.assert_close(out, step(x))
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("torch.distributed.tensor._redistribute").distributed.tensor._redistribute,
+                "_get_flattened_mesh_by_layout"),
+    reason="this torch's DTensor reduces over each mesh axis in turn (no flattened collectives)",
+)
+def test_gradient_replicated_over_two_axes_is_reduced_once():
+    def step(p, x):
+        loss, g = pf.value_and_grad(lambda p, x: (F.layer_norm(x, (D,), p["ln"]) @ p["w"]).square().mean())(p, x)
+        return pf.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    params = {"ln": torch.ones(D), "w": torch.randn(D, D, generator=torch.Generator().manual_seed(0))}
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(1))
+    ref = pf.jit(step, backend="eager")(params, x)
+    mesh = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    with pf.set_mesh(mesh):
+        args = pf.device_put(params, {"ln": P(), "w": P(None, "tp")}), pf.device_put(x, P("dp"))
+        jitted = pf.jit(step, backend="eager")
+        text = jitted.lower(*args).as_text()
+        out = pf.device_get(jitted(*args))
+    for a, b in zip(pf.tree.leaves(out), pf.tree.leaves(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The layer norm weight's gradient is pending over dp and tp: one all-reduce over both, not one per axis.
+    ln_grad = [line for line in text.splitlines() if "COLLECTIVE" in line and "grad of p['ln']" in line]
+    assert len(ln_grad) == 1 and "all_reduce over 'dp+tp'" in ln_grad[0], ln_grad

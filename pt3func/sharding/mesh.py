@@ -105,10 +105,18 @@ class Mesh:
         return group
 
     def create_groups(self) -> None:
-        """Create the groups of every multi-axis tuple now (collective), so later use needs no collective."""
+        """Create the groups of every multi-axis tuple now (collective), so later use needs no collective.
+
+        Runs of adjacent axes are also flattened in DTensor's own registry (`DeviceMesh._flatten`): DTensor then
+        reduces a value pending over several axes (the gradient of a parameter replicated over dp and tp) with
+        one collective over the flattened axes instead of one per axis (torch 2.13; 2.11 ignores them)."""
         for count in range(2, self.ndim):
             for names in itertools.combinations(self.axis_names, count):
                 self.group(names)
+        for start in range(self.ndim - 1):
+            for stop in range(start + 2, self.ndim + 1):
+                names = self.axis_names[start:stop]
+                self.device_mesh[names]._flatten("+".join(names))
 
 
 _MESHES: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -206,12 +207,17 @@ def _group_axis_names() -> dict[str, str]:
     from pt3func.sharding import mesh as mesh_module
 
     out = {}
+    world = dist.group.WORLD if dist.is_initialized() else None
     for mesh in list(mesh_module._MESHES.values()) + list(mesh_module._MAKE_MESH_CACHE.values()):
+        if world is not None and getattr(mesh, "_world", world) is not world:
+            continue  # another world's mesh (an earlier virtual mesh): its group names are reused by this one
         try:
             for i, name in enumerate(mesh.axis_names):
                 out[mesh.device_mesh.get_group(i).group_name] = name
             for names, group in mesh._groups.items():
                 out[group.group_name] = "+".join(names)
+            for name, flat in getattr(mesh.device_mesh, "_flatten_mapping", {}).items():
+                out[flat.get_group(0).group_name] = name
         except Exception:  # a mesh whose world is gone names no groups
             continue
     return out
