@@ -136,8 +136,10 @@ class Apply:
         """The `{dotted name: tensor}` map for functional_call, with buffers copied and ties restored."""
         named = dict(zip(self._names, leaves, strict=True))
         for i in self._buffer_index:
-            # A copy, so the forward's in-place buffer updates never reach the caller's tensors.
-            named[self._names[i]] = leaves[i].clone()
+            # A copy, so the forward's in-place buffer updates never reach the caller's tensors; detached, because
+            # a buffer is not a parameter: differentiating a tree that holds buffers gives them a zero gradient
+            # (BatchNorm's kernel refuses running statistics that require grad).
+            named[self._names[i]] = leaves[i].detach().clone()
         for alias, i in self._aliases:
             named[alias] = named[self._names[i]]
         return named

@@ -185,7 +185,11 @@ def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness
             out_spec.append(s)
             return tuple(out_leaves)
 
-        flat_out = torch.func.vmap(flat_fn, in_dims=tuple(axes), out_dims=0, randomness=randomness)(*leaves)
+        vectorised = torch.func.vmap(flat_fn, in_dims=tuple(axes), out_dims=0, randomness=randomness)
+        shards = _vmap_on_shards(leaves, axes)
+        flat_out = None if shards is None else shards(vectorised)
+        if flat_out is None:
+            flat_out = vectorised(*leaves)
         structure = out_spec[-1]
         out_tree = tree.unflatten(structure, list(flat_out))
         if out_axes == 0:
@@ -196,3 +200,57 @@ def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness
         return tree.map(lambda x, ax: x[0] if ax is None else torch.movedim(x, 0, ax), out_tree, full)
 
     return wrapped
+
+
+def _vmap_on_shards(
+    leaves: list[Any], axes: list[int | None]
+) -> Callable[[Callable[..., Any]], tuple | None] | None:
+    """vmap over sharded arguments, run on each rank's own examples; None where that is not exact.
+
+    torch.func.vmap does not batch DTensor's ops reliably (a gradient inside the vmapped function fails in
+    DTensor's rules). When every mapped DTensor is split only along its mapped axis (the examples) and every
+    unmapped one is replicated, each rank holds whole examples and everything each example reads, so mapping
+    the function over the local examples is exactly the global vmap: the result is split over the same mesh
+    axes, and an unmapped input's gradient is a partial sum over them (each rank's examples contribute theirs).
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dtensors = [(leaf, ax) for leaf, ax in zip(leaves, axes) if isinstance(leaf, DTensor)]
+    if not dtensors or len({id(leaf.device_mesh) for leaf, _ in dtensors}) != 1:
+        return None
+    mesh = dtensors[0][0].device_mesh
+    batch_dims: set[int] = set()
+    for leaf, ax in dtensors:
+        for d, p in enumerate(leaf.placements):
+            if ax is not None and isinstance(p, Shard) and type(p) is Shard and p.dim == ax % leaf.ndim:
+                batch_dims.add(d)
+            elif not p.is_replicate():
+                return None  # split along something other than the examples, or a pending sum
+    for leaf, ax in zip(leaves, axes):
+        if ax is None:
+            continue
+        if not isinstance(leaf, DTensor):
+            if batch_dims:
+                return None  # a plain mapped tensor holds every example, the DTensors only this rank's
+            continue
+        if any(not isinstance(leaf.placements[d], Shard) for d in batch_dims):
+            return None  # mapped arguments must split their examples alike
+    partial_grad = [Partial() if d in batch_dims else Replicate() for d in range(mesh.ndim)]
+    local = [
+        leaf if not isinstance(leaf, DTensor)
+        else leaf.to_local() if ax is not None
+        else leaf.to_local(grad_placements=partial_grad)
+        for leaf, ax in zip(leaves, axes)
+    ]
+    out_placements = [Shard(0) if d in batch_dims else Replicate() for d in range(mesh.ndim)]
+
+    def run(vectorised: Callable[..., Any]) -> tuple | None:
+        outs = vectorised(*local)
+        if any(isinstance(t, DTensor) for t in outs):
+            return None  # the function read a DTensor it was not given (a closure): not per-rank local; retry whole
+        return tuple(
+            DTensor.from_local(t, mesh, out_placements, run_check=False) if isinstance(t, torch.Tensor) else t
+            for t in outs
+        )
+
+    return run

@@ -271,3 +271,22 @@ def test_train_step_traces_with_make_fx(model):
     if model == "convbn":
         assert traced_params["bn"]["num_batches_tracked"].item() == 1
         assert not torch.equal(traced_params["bn"]["running_mean"], params["bn"]["running_mean"])
+
+
+def test_grad_of_a_tree_with_buffers_treats_them_as_constants():
+    # BatchNorm in training mode, differentiated with respect to the whole tree functionalize returns
+    # (parameters and running statistics): the buffers get zero gradients, the parameters torch's.
+    import pt3func as pf
+
+    torch.manual_seed(0)
+    module = ConvBN().train()
+    reference = copy.deepcopy(module)
+    params, apply = functionalize(module)
+    x = torch.randn(4, 3, 8, 8)
+    grads = pf.grad(lambda p: apply(p, x).square().mean())(params)
+    reference(x).square().mean().backward()
+    for name, p in reference.named_parameters():
+        layer, leaf = name.split(".")
+        torch.testing.assert_close(grads[layer][leaf], p.grad)
+    for name in ("running_mean", "running_var"):
+        assert not grads["bn"][name].any()
