@@ -37,7 +37,7 @@ from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.spmd import lower
-from pt3func.spmd.vocab_embedding import VocabParallelEmbedding
+from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.stages import Compiled, Lowered, Program
 from pt3func.trace import capture
 from pt3func.trace.signature import (
@@ -533,6 +533,7 @@ def jit(
 
 @contextlib.contextmanager
 def _sharded_tracing() -> Iterator[None]:
-    """What a sharded step is traced under: plain tensors taken as replicated, row-sharded lookups lowered."""
-    with implicit_replication(), VocabParallelEmbedding():
+    """What a sharded step is traced under: plain tensors taken as replicated, some torch functions handled by
+    pt3func (`spmd/overrides.py`)."""
+    with implicit_replication(), ShardedTraceOverrides():
         yield

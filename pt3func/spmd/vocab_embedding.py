@@ -13,30 +13,16 @@ which writes the table; `scale_grad_by_freq` and `sparse`) are left to DTensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
 
 
-class VocabParallelEmbedding(TorchFunctionMode):
-    """While active, `F.embedding(indices, table)` with `table` a DTensor sharded on dim 0 runs as described above."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.embedding:
-            lowered = _lookup(*args, **kwargs)
-            if lowered is not None:
-                return lowered
-        return func(*args, **kwargs)
-
-
-def _lookup(
+def lookup(
     indices: Any, weight: Any, padding_idx: int | None = None, max_norm: float | None = None,
     norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
 ) -> torch.Tensor | None:

@@ -1,0 +1,49 @@
+"""Torch functions pt3func handles itself while a sharded step is traced (a TorchFunctionMode).
+
+- `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
+- `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built inside
+  the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on the
+  dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached the
+  kernel whole beside the local q (a runtime shape error in a batch-sharded step): DTensor takes plain tensors
+  as replicated only among an op's positional arguments, and does not redistribute keyword arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+
+from pt3func.spmd.vocab_embedding import lookup
+
+
+class ShardedTraceOverrides(TorchFunctionMode):
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            lowered = lookup(*args, **kwargs)
+            if lowered is not None:
+                return lowered
+        elif func is F.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask")
+            query = args[0] if args else kwargs.get("query")
+            if isinstance(query, DTensor) and mask is not None and not isinstance(mask, DTensor):
+                kwargs = dict(kwargs, attn_mask=_mask_like(mask, query))
+        return func(*args, **kwargs)
+
+
+def _mask_like(mask: Any, query: DTensor) -> DTensor:
+    """`mask` (the global value, the same on every rank) as a DTensor split like `query` (b, h, L, E) on the mask's
+    own dims (b, h, L, S aligned from the right)."""
+    mesh = query.device_mesh
+    offset = query.ndim - mask.ndim
+    placements = []
+    for p in query.placements:
+        dim = p.dim - offset if isinstance(p, Shard) and type(p) is Shard else -1
+        keep = 0 <= dim < mask.ndim - 2 and mask.shape[dim] == query.shape[p.dim] and mask.shape[dim] > 1
+        placements.append(Shard(dim) if keep else Replicate())
+    replicated = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, placements) if any(isinstance(p, Shard) for p in placements) else replicated
