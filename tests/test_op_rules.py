@@ -109,3 +109,4 @@ def test_gradient_replicated_over_two_axes_is_reduced_once():
     # The layer norm weight's gradient is pending over dp and tp: one all-reduce over both, not one per axis.
     ln_grad = [line for line in text.splitlines() if "COLLECTIVE" in line and "grad of p['ln']" in line]
     assert len(ln_grad) == 1 and "all_reduce over 'dp+tp'" in ln_grad[0], ln_grad
+

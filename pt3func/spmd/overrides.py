@@ -1,11 +1,11 @@
 """Torch functions pt3func handles itself while a sharded step is traced (a TorchFunctionMode).
 
 - `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
-- `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built inside
-  the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on the
-  dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached the
-  kernel whole beside the local q (a runtime shape error in a batch-sharded step): DTensor takes plain tensors
-  as replicated only among an op's positional arguments, and does not redistribute keyword arguments.
+- `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
+  inside the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on
+  the dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached
+  the kernel whole beside the local q (a runtime shape error): DTensor takes plain tensors as replicated only
+  among an op's positional arguments, and does not redistribute keyword arguments.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pt3func.spmd.vocab_embedding import lookup
 
 
 class ShardedTraceOverrides(TorchFunctionMode):
+    """Active while a sharded step is traced (`jitted._sharded_tracing`); every other function runs as called."""
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.embedding:
@@ -47,3 +49,4 @@ def _mask_like(mask: Any, query: DTensor) -> DTensor:
         placements.append(Shard(dim) if keep else Replicate())
     replicated = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, placements) if any(isinstance(p, Shard) for p in placements) else replicated
+
