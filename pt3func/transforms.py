@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pt3func import tree
+from pt3func._compat import is_plain_shard
 from pt3func.spmd import lower
 
 
@@ -222,7 +223,7 @@ def _vmap_on_shards(
     batch_dims: set[int] = set()
     for leaf, ax in dtensors:
         for d, p in enumerate(leaf.placements):
-            if ax is not None and isinstance(p, Shard) and type(p) is Shard and p.dim == ax % leaf.ndim:
+            if ax is not None and is_plain_shard(p) and p.dim == ax % leaf.ndim:
                 batch_dims.add(d)
             elif not p.is_replicate():
                 return None  # split along something other than the examples, or a pending sum

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from pt3func._compat import is_plain_shard
 from pt3func.spmd.vocab_embedding import lookup
 
 
@@ -44,7 +45,7 @@ def _mask_like(mask: Any, query: DTensor) -> DTensor:
     offset = query.ndim - mask.ndim
     placements = []
     for p in query.placements:
-        dim = p.dim - offset if isinstance(p, Shard) and type(p) is Shard else -1
+        dim = p.dim - offset if is_plain_shard(p) else -1
         keep = 0 <= dim < mask.ndim - 2 and mask.shape[dim] == query.shape[p.dim] and mask.shape[dim] > 1
         placements.append(Shard(dim) if keep else Replicate())
     replicated = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)

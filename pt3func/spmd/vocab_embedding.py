@@ -68,12 +68,7 @@ def lookup(
         local_padding = padding - first if first <= padding < first + rows else None
     looked_up = F.embedding(torch.where(inside, local - first, 0), table, padding_idx=local_padding)
     looked_up = looked_up * inside.unsqueeze(-1).to(looked_up.dtype)
-    shape = (*indices.shape, weight.shape[1])
-    stride = tuple(torch.empty(shape, device="meta").stride())
-    return DTensor.from_local(
-        looked_up, mesh, out_placements, run_check=False, shape=torch.Size(shape), stride=stride,
-        grad_placements=grad_placements,
-    )
+    return DTensor.from_local(looked_up, mesh, out_placements, run_check=False, grad_placements=grad_placements)
 
 
 def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:
