@@ -156,3 +156,36 @@ def test_matmul_accumulate_op():
     torch.library.opcheck(torch.ops.pt3func.matmul_accumulate.default, (None, a, b))
     torch.testing.assert_close(matmul_accumulate(acc, a, b), acc + a.double().mm(b.double()).float())
     assert matmul_accumulate(None, a, b).dtype == torch.float32
+
+
+def test_accumulate_in_place_rewrites_a_copy_with_the_same_numbers(small_chunks):
+    from pt3func.passes.chunked_loss import accumulate_in_place
+
+    params, batch = _params(), _batch()
+    gm = chunk_cross_entropy(_program(_make_step(True), params, *batch))
+    before = gm.code
+    rewritten = accumulate_in_place(gm)
+    assert gm.code == before  # the program stays functional; only what Inductor is given changes
+    assert _count(rewritten, torch.ops.pt3func.matmul_accumulate_.default) == 2  # chunks 2 and 3 add in place
+    assert _count(rewritten, torch.ops.pt3func.matmul_accumulate.default) == 1  # chunk 1 starts the sum
+    inputs = pf.tree.leaves((params, *batch))
+    for got, want in zip(rewritten(*inputs), gm(*inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_inductor_adds_each_chunk_into_one_buffer(small_chunks):
+    # Out of place, every chunk's addmm first copied the whole fp32 accumulator (0.45 ms a step on an H200).
+    from torch._inductor.utils import run_and_get_code
+
+    step = pf.jit(_make_step(True))
+    _, codes = run_and_get_code(lambda: step(_params(), *_batch()))
+    calls = [line.strip() for line in codes[-1].splitlines()
+             if "torch.ops.pt3func." in line and not line.strip().startswith(("#", "assert"))]
+    assert len(calls) == 3, calls
+    result, first = calls[0].split(" = ")
+    assert first.startswith("torch.ops.pt3func.matmul_accumulate.default(None"), first
+    lines = {line.strip() for line in codes[-1].splitlines()}
+    for call in calls[1:]:  # into the first chunk's own buffer (or its alias), never a clone of it
+        assert call.startswith("torch.ops.pt3func.matmul_accumulate_.default("), call
+        accumulator = call.split("(")[1].split(",")[0]
+        assert accumulator == result or f"{accumulator} = {result}" in lines, (accumulator, result)

@@ -9,6 +9,7 @@ from torch import fx
 
 from pt3func._compat import inductor_collective_bucketing
 from pt3func.config import config
+from pt3func.passes.chunked_loss import accumulate_in_place
 from pt3func.runtime.virtual import in_rank_thread
 from pt3func.trace.capture import TRACE_LOCK
 
@@ -28,6 +29,8 @@ def compile_program(
         # fallback_random: Inductor's own RNG would draw different numbers than eager torch; the contract
         # is that a jitted step sees the same random numbers as the same code run eagerly.
         options = {"fallback_random": True, **(inductor_collective_bucketing() if bucket_collectives(gm) else {})}
+        if "accumulate_in_place" not in config.disabled_passes:
+            gm = accumulate_in_place(gm)  # mutation only here: the passes before Inductor reorder by data flow
         with TRACE_LOCK, inductor_config.patch(options):
             return compile_fx(gm, list(example_inputs), decompositions=_decompositions(example_inputs))
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
