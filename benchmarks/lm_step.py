@@ -61,7 +61,7 @@ GRAD_EXCHANGES: dict[str, Any] = {
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # The anchor's flags, same names and defaults.
     p.add_argument("--layers", type=int, default=12)
@@ -202,7 +202,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="DIR:N:ID: after compiling, wait until N concurrent runs have (benchmarks/common.arrive_and_wait)",
     )
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 # --policy name -> what each transformer block keeps for the backward (names are tagged in `block`).
@@ -223,6 +223,53 @@ REMAT_POLICIES: dict[str, Any] = {
 }
 
 
+def pf_config_of(a: argparse.Namespace) -> dict[str, Any]:
+    """The `pf.config` fields a run's flags set (only those given)."""
+    fields: dict[str, Any] = {}
+    if a.exchange_bucket_mib is not None:
+        fields["grad_exchange_bucket_bytes"] = int(a.exchange_bucket_mib * 2**20)
+    if a.bucket is not None:
+        fields["bucket_collectives"] = a.bucket
+    if a.fence_backward is not None:
+        names = frozenset(n.strip() for n in a.fence_backward.split(",") if n.strip())
+        fields["fence_backward_ops"] = True if names == {"all"} else names
+    if a.loss_chunk_mib is not None:
+        fields["loss_chunk_bytes"] = int(a.loss_chunk_mib * 2**20)
+    return fields
+
+
+def build_run(a: argparse.Namespace, device: torch.device, mesh: Any = None) -> tuple[Any, ...]:
+    """(jitted step, params, optimizer state, idx, tgt, grad exchange or None) for the run's flags.
+
+    With a `mesh` (1-D, "dp"), the batch is each rank's own (seeded by rank, as the anchor's DDP) and the params
+    are replicated (`--sharding dp`) or sharded on their first dim (`fsdp`).
+    """
+    params = init_params(a, device)
+    exchange = GRAD_EXCHANGES[a.grad_exchange]() if GRAD_EXCHANGES[a.grad_exchange] else None
+    train_step, opt = make_train_step(a, device.type, exchange)
+    jit_kwargs = {} if exchange is None else {"grad_exchange": exchange}
+    jit_kwargs.update(memory_options(a))
+    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend, **jit_kwargs)
+    rank = 0 if mesh is None else torch.distributed.get_rank()
+    torch.manual_seed(rank)  # each rank its own batch, as the anchor's DDP
+    idx = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)
+    tgt = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)
+    if mesh is not None:
+        # The global batch is every rank's local batch stacked: a DTensor sharded on dim 0, built without comm.
+        idx, tgt = (DTensor.from_local(t, mesh.device_mesh, [Shard(0)], run_check=False) for t in (idx, tgt))
+        specs = pf.tree.map(
+            lambda t: P("dp") if a.sharding == "fsdp" and t.shape[0] % mesh.size == 0 else P(), params
+        )
+        params = pf.device_put(params, pf.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        opt_state = pf.jit(opt.init, backend=a.backend)(params)  # state created where its shards live
+        if exchange is not None:
+            # (optimizer state, error-feedback residuals): the step donates and returns both.
+            opt_state = (opt_state, exchange.init(params))
+    else:
+        opt_state = opt.init(params) if exchange is None else (opt.init(params), exchange.init(params))
+    return step, params, opt_state, idx, tgt, exchange
+
+
 def memory_options(a: argparse.Namespace) -> dict[str, Any]:
     """pf.jit options from the memory flags (only those given, so older runs' programs are unchanged)."""
     options: dict[str, Any] = {}
@@ -233,7 +280,7 @@ def memory_options(a: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def init_params(a: argparse.Namespace, device: torch.device) -> Params:
+def init_params(a: argparse.Namespace, device: torch.device | str) -> Params:
     """fp32 master weights, N(0, 0.02) as in the anchor's JAX version; nn.Linear's (out, in) layout."""
     torch.manual_seed(0)
     d = a.d
@@ -340,22 +387,15 @@ def main() -> None:
     n_params = V * D + L * (12 * D * D + 4 * D) + 2 * D
     flops_per_step = 6 * n_params * B * S + 12 * L * D * S * B * S
 
-    world, rank = 1, 0
+    world, rank, mesh = 1, 0, None
     if a.sharding != "none":
         mesh = pf.make_mesh((int(os.environ.get("WORLD_SIZE", "1")),), ("dp",))
         world, rank = mesh.size, torch.distributed.get_rank()
         device = torch.device(a.device, torch.cuda.current_device()) if on_cuda else device
-    if a.exchange_bucket_mib is not None:
-        pf.config.grad_exchange_bucket_bytes = int(a.exchange_bucket_mib * 2**20)
+    for name, value in pf_config_of(a).items():
+        setattr(pf.config, name, value)
     if a.overlap:
         torch._inductor.config.reorder_for_compute_comm_overlap = True
-    if a.bucket is not None:
-        pf.config.bucket_collectives = a.bucket
-    if a.fence_backward is not None:
-        names = frozenset(n.strip() for n in a.fence_backward.split(",") if n.strip())
-        pf.config.fence_backward_ops = True if names == {"all"} else names
-    if a.loss_chunk_mib is not None:
-        pf.config.loss_chunk_bytes = int(a.loss_chunk_mib * 2**20)
     if a.sdpa_priority:
         from torch.nn.attention import SDPBackend, _sdpa_kernel
 
@@ -366,29 +406,8 @@ def main() -> None:
         _set_inductor_options({k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in a.inductor_option)})
     if a.overlap_scheduler:
         _set_inductor_options({"aten_distributed_optimizations.enable_overlap_scheduling": True})
-    params = init_params(a, device)
-    assert sum(t.numel() for t in pf.tree.leaves(params)) == n_params, "params differ from the anchor's model"
-    exchange = GRAD_EXCHANGES[a.grad_exchange]() if GRAD_EXCHANGES[a.grad_exchange] else None
-    train_step, opt = make_train_step(a, device.type, exchange)
-    jit_kwargs = {} if exchange is None else {"grad_exchange": exchange}
-    jit_kwargs.update(memory_options(a))
-    step = pf.jit(train_step, donate_argnums=() if a.no_donate else (0, 1), backend=a.backend, **jit_kwargs)
-    torch.manual_seed(rank)  # each rank its own batch, as the anchor's DDP
-    idx = torch.randint(0, V, (B, S), device=device)
-    tgt = torch.randint(0, V, (B, S), device=device)
-    if a.sharding != "none":
-        # The global batch is every rank's local batch stacked: a DTensor sharded on dim 0, built without comm.
-        idx, tgt = (DTensor.from_local(t, mesh.device_mesh, [Shard(0)], run_check=False) for t in (idx, tgt))
-        specs = pf.tree.map(
-            lambda t: P("dp") if a.sharding == "fsdp" and t.shape[0] % world == 0 else P(), params
-        )
-        params = pf.device_put(params, pf.tree.map(lambda s: NamedSharding(mesh, s), specs))
-        opt_state = pf.jit(opt.init, backend=a.backend)(params)  # state created where its shards live
-        if exchange is not None:
-            # (optimizer state, error-feedback residuals): the step donates and returns both.
-            opt_state = (opt_state, exchange.init(params))
-    else:
-        opt_state = opt.init(params) if exchange is None else (opt.init(params), exchange.init(params))
+    assert sum(t.numel() for t in pf.tree.leaves(init_params(a, "meta"))) == n_params, "not the anchor's model"
+    step, params, opt_state, idx, tgt, exchange = build_run(a, device, mesh)
 
     precompile_s = None
     if a.timing_lock or a.max_memory_gib:

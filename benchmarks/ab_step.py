@@ -1,0 +1,169 @@
+"""Speed of pt3func variants against the anchor's torch step, taken in turn, round after round, in one process.
+
+Runs in separate processes one after the other compare badly on an H200: a warm GPU runs slower (single steps
+of one run drift from 41 to 47 ms), so the same pair of runs measured in two waves differed by 1-3% in turn
+(`results/memory_h200_*.json`), more than the effects being measured. Here the anchor's step (its own script,
+run in this process) and every pt3func variant each take one step in turn, the order rotated every round, so
+drift hits all of them alike. The verdict is per round: the anchor's time over the variant's, then the median
+over rounds. Peak memory is not measured here (CUDA graphs keep their pools): `memory.py` measures it.
+
+    python benchmarks/ab_step.py --variant "--cuda-graphs" \\
+        --variant "--cuda-graphs --loss-chunk-mib 256 --policy recompute_gelu --remat-blocks 1"
+    torchrun --standalone --nproc-per-node 2 benchmarks/ab_step.py --anchor-impl torch-ddp-compile \\
+        --variant "--sharding dp"
+    python benchmarks/ab_step.py --device cpu --anchor-impl none --rounds 3 \\
+        --model "--layers 1 --d 64 --heads 2 --seq 32 --batch 2 --vocab 128" --variant "" \\
+        --variant "--loss-chunk-mib 0.01"                         # smoke run: the first variant is the reference
+
+A variant is a string of `lm_step.py` flags; flags that change torch or Inductor process-wide (--inductor-option,
+--overlap, --overlap-scheduler, --sdpa-priority) are refused, since they would reach every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import runpy
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS, append_jsonl, environment, print_table
+from lm_step import build_run, parse_args, pf_config_of
+
+import pt3func as pf
+
+HERE = Path(__file__).resolve().parent
+ANCHOR_CANDIDATES = (
+    HERE.parent / "shared" / "bench" / "anchor_lm_step.py",
+    HERE.parent.parent / "shared" / "bench" / "anchor_lm_step.py",
+    HERE.parent / ".whl" / "anchor_lm_step.py",
+)
+PROCESS_WIDE = ("inductor_option", "overlap", "overlap_scheduler", "sdpa_priority")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", default=[], help="lm_step.py flags of one pt3func variant")
+    p.add_argument("--model", default="", help="model flags for every run, the anchor's too (--layers 12 ...)")
+    p.add_argument("--anchor-impl", default="torch-compile", help="the anchor's impl, or 'none'")
+    p.add_argument("--anchor", default=None, help="the anchor script (default: shared/bench/anchor_lm_step.py)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls of each before the rounds")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if not a.variant:
+        raise SystemExit("give at least one --variant")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    runs: dict[str, Callable[[], Any]] = {}
+    if a.anchor_impl != "none":
+        runs[a.anchor_impl] = anchor_step(a.anchor_impl, a.model, a.anchor)
+    mesh = None
+    batch_tokens = 0
+    for flags in a.variant:
+        v = parse_args([*shlex.split(a.model), *shlex.split(flags), "--device", a.device])
+        refused = [name for name in PROCESS_WIDE if getattr(v, name)]
+        if refused:
+            raise SystemExit(f"--variant {flags!r}: {', '.join(refused)} would change every run of this process")
+        if v.sharding != "none" and mesh is None:
+            mesh = pf.make_mesh((world,), ("dp",))
+        device = torch.device(a.device, torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+        name = f"pt3func {flags}".strip()
+        runs[name] = variant_step(v, device, mesh if v.sharding != "none" else None)
+        batch_tokens = (world if v.sharding != "none" else 1) * v.batch * v.seq
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    for name, call in runs.items():  # the first call compiles (or captures)
+        for _ in range(a.warmup):
+            call()
+        sync()
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(a.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no run always follows another
+            sync()
+            start = time.perf_counter()
+            runs[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    if rank != 0:
+        return
+    reference = names[0]
+    rows, record_runs = [], {}
+    for name in names:
+        med = statistics.median(times[name])
+        ratios = [ref / t for ref, t in zip(times[reference], times[name])]  # > 1: faster than the reference
+        faster = sum(x > 1 for x in ratios) / len(ratios)
+        rows.append([name, round(med * 1e3, 2), round(batch_tokens / med), round(statistics.median(ratios), 4),
+                     f"{faster:.0%}"])
+        record_runs[name] = dict(step_ms=round(med * 1e3, 2), tokens_per_s=round(batch_tokens / med),
+                                 speed_vs_reference=round(statistics.median(ratios), 4), rounds_faster=faster,
+                                 step_times_ms=[round(t * 1e3, 2) for t in times[name]])
+    print_table(f"{a.rounds} rounds, one step of each in turn (speed = {reference}'s time / this one's, per "
+                f"round, median)", ["run", "step ms", "tokens/s", "speed", "rounds faster"], rows)
+    record = dict(reference=reference, rounds=a.rounds, world=world, model=a.model, runs=record_runs,
+                  env=environment())
+    out = a.out or RESULTS / f"ab_step_{'cpu' if a.device == 'cpu' else 'gpu'}.jsonl"
+    print(f"appended to {append_jsonl(out, record)}", flush=True)
+    print(json.dumps({k: v["speed_vs_reference"] for k, v in record_runs.items()}), flush=True)
+
+
+def anchor_step(impl: str, model: str, path: str | None) -> Callable[[], Any]:
+    """One step of the anchor script's `impl`, built by running the script itself in this process."""
+    script = next((Path(c) for c in ([path] if path else ANCHOR_CANDIDATES) if Path(c).exists()), None)
+    if script is None:
+        raise SystemExit("anchor script not found (--anchor), or run with --anchor-impl none")
+    argv = sys.argv
+    # The script times 3 + --steps steps, prints its JSON and, on several GPUs, ends its process group, which the
+    # rounds still need: keep it.
+    sys.argv = [str(script), impl, "--steps", "1", *shlex.split(model)]
+    destroy = torch.distributed.destroy_process_group
+    torch.distributed.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        scope = runpy.run_path(str(script), run_name="anchor")
+    finally:
+        sys.argv = argv
+        torch.distributed.destroy_process_group = destroy
+    step, idx, tgt = scope["step"], scope["idx"], scope["tgt"]
+    return lambda: step(idx, tgt)
+
+
+def variant_step(v: argparse.Namespace, device: torch.device, mesh: Any) -> Callable[[], Any]:
+    """One step of a pt3func variant: its pf.config fields are set around every call (tracing reads them)."""
+    fields = pf_config_of(v)
+    with _config(fields):
+        step, params, opt_state, idx, tgt, _ = build_run(v, device, mesh)
+    state = [params, opt_state]
+
+    def call() -> Any:
+        with _config(fields):
+            state[0], state[1], loss = step(state[0], state[1], idx, tgt)
+        return loss
+
+    return call
+
+
+@contextlib.contextmanager
+def _config(fields: dict[str, Any]) -> Iterator[None]:
+    before = {name: getattr(pf.config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(pf.config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(pf.config, name, value)
+
+
+if __name__ == "__main__":
+    main()
