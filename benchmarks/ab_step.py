@@ -1,13 +1,16 @@
-"""Speed of pt3func variants against the anchor's torch step, taken in turn, round after round, in one process.
+"""Speed of pt3func variants against the anchor's torch step, taken in turns, round after round, in one process.
 
 Runs in separate processes one after the other compare badly on an H200: a warm GPU runs slower (single steps
 of one run drift from 41 to 47 ms), so the same pair of runs measured in two waves differed by 1-3% in turn
 (`results/memory_h200_*.json`), more than the effects being measured. Here the anchor's step (its own script,
-run in this process) and every pt3func variant each take one step in turn, the order rotated every round, so
-drift hits all of them alike. The verdict is per round: the anchor's time over the variant's, then the median
-over rounds. Peak memory is not measured here (CUDA graphs keep their pools): `memory.py` measures it.
+run in this process) and every pt3func variant take turns of `--turn` steps, the order rotated every round, so
+drift hits all of them alike. A turn's first step is not timed: right after another program it runs on caches
+that program left (one step a turn slowed torch.compile's step by 2.2 ms and pt3func's CUDA graph by 1.0-1.4:
+session 8, `results/ab_step_h200.jsonl`, the records with turn 1). The verdict: each variant's steps against the
+anchor's steps of the same rounds, the anchor's time over the variant's, median. Peak memory is not measured here
+(CUDA graphs keep their pools): `memory.py` measures it, a process per run.
 
-    python benchmarks/ab_step.py --variant "--cuda-graphs" \\
+    python benchmarks/ab_step.py --variant=--cuda-graphs \\
         --variant "--cuda-graphs --loss-chunk-mib 256 --policy recompute_gelu --remat-blocks 1"
     torchrun --standalone --nproc-per-node 2 benchmarks/ab_step.py --anchor-impl torch-ddp-compile \\
         --variant "--sharding dp"
@@ -58,6 +61,12 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of each before the rounds")
+    p.add_argument(
+        "--turn",
+        type=int,
+        default=4,
+        help="steps of a run in a row; its first is not timed (1: every step timed, one step a turn)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not a.variant:
@@ -91,27 +100,30 @@ def main() -> None:
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(a.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no run always follows another
-            sync()
-            start = time.perf_counter()
-            runs[name]()
-            sync()
-            times[name].append(time.perf_counter() - start)
+            for k in range(a.turn):
+                sync()
+                start = time.perf_counter()
+                runs[name]()
+                sync()
+                if k or a.turn == 1:  # a turn's first step runs on caches the previous run left: not timed
+                    times[name].append(time.perf_counter() - start)
     if rank != 0:
         return
     reference = names[0]
     rows, record_runs = [], {}
     for name in names:
         med = statistics.median(times[name])
-        ratios = [ref / t for ref, t in zip(times[reference], times[name])]  # > 1: faster than the reference
+        # Step i of a run against step i of the reference: the same round (> 1: faster than the reference).
+        ratios = [ref / t for ref, t in zip(times[reference], times[name])]
         faster = sum(x > 1 for x in ratios) / len(ratios)
         rows.append([name, round(med * 1e3, 2), round(batch_tokens / med), round(statistics.median(ratios), 4),
                      f"{faster:.0%}"])
         record_runs[name] = dict(step_ms=round(med * 1e3, 2), tokens_per_s=round(batch_tokens / med),
-                                 speed_vs_reference=round(statistics.median(ratios), 4), rounds_faster=faster,
+                                 speed_vs_reference=round(statistics.median(ratios), 4), steps_faster=faster,
                                  step_times_ms=[round(t * 1e3, 2) for t in times[name]])
-    print_table(f"{a.rounds} rounds, one step of each in turn (speed = {reference}'s time / this one's, per "
-                f"round, median)", ["run", "step ms", "tokens/s", "speed", "rounds faster"], rows)
-    record = dict(reference=reference, rounds=a.rounds, world=world, model=a.model, runs=record_runs,
+    print_table(f"{a.rounds} rounds of {a.turn} steps of each in turn (speed = {reference}'s time / this one's, "
+                "step by step, median)", ["run", "step ms", "tokens/s", "speed", "steps faster"], rows)
+    record = dict(reference=reference, rounds=a.rounds, turn=a.turn, world=world, model=a.model, runs=record_runs,
                   env=environment())
     out = a.out or RESULTS / f"ab_step_{'cpu' if a.device == 'cpu' else 'gpu'}.jsonl"
     print(f"appended to {append_jsonl(out, record)}", flush=True)
