@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --grad-exchange: pf.config.grad_exchange_bucket_bytes in MiB (gradients packed per compressed "
         "reduction; 0: one per leaf; default: pf.config's, 64 MiB)",
     )
+    p.add_argument(
+        "--gradient-bucket-mib",
+        type=float,
+        default=None,
+        help="pf.config.gradient_bucket_bytes in MiB: data parallel gradient all-reduces packed into buckets "
+        "(as DDP's 25 MiB; default: pf.config's, off)",
+    )
     p.add_argument("--overlap", action="store_true", help="Inductor's compute/communication reordering pass")
     p.add_argument(
         "--bucket",
@@ -228,6 +235,8 @@ def pf_config_of(a: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if a.exchange_bucket_mib is not None:
         fields["grad_exchange_bucket_bytes"] = int(a.exchange_bucket_mib * 2**20)
+    if a.gradient_bucket_mib is not None:
+        fields["gradient_bucket_bytes"] = int(a.gradient_bucket_mib * 2**20)
     if a.bucket is not None:
         fields["bucket_collectives"] = a.bucket
     if a.fence_backward is not None:
