@@ -162,6 +162,11 @@ def variant_step(v: argparse.Namespace, device: torch.device, mesh: Any) -> Call
             state[0], state[1], loss = step(state[0], state[1], idx, tgt)
         return loss
 
+    def lower() -> pf.Lowered:  # the program the calls run (for tests)
+        with _config(fields):
+            return step.lower(state[0], state[1], idx, tgt)
+
+    call.lower = lower
     return call
 
 
