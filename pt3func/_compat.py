@@ -135,3 +135,32 @@ def inductor_collective_bucketing() -> dict[str, Any]:
 
     known = inductor_config.get_config_copy()
     return {name: value for name, value in _COLLECTIVE_BUCKETING.items() if name in known}
+
+
+_strategy_selection_wrapped = False
+_strategy_selection_lock = threading.Lock()
+
+
+def wrap_dtensor_strategy_selection(select: Any) -> bool:
+    """Route DTensor's choice among an op's sharding strategies through `select(original, strategy, op_schema)`.
+
+    Installed once per process; `select` decides per call whether to change anything (pt3func's does only inside
+    its sharded traces). torch 2.11 and 2.13 both choose in `_sharding_prop._select_min_cost_strategy(strategy,
+    op_schema)`; where that function is missing, nothing is wrapped and False is returned.
+    """
+    global _strategy_selection_wrapped
+    with _strategy_selection_lock:
+        if _strategy_selection_wrapped:
+            return True
+        from torch.distributed.tensor import _sharding_prop
+
+        original = getattr(_sharding_prop, "_select_min_cost_strategy", None)
+        if original is None:
+            return False
+
+        def selected(strategy: Any, op_schema: Any = None) -> Any:
+            return select(original, strategy, op_schema)
+
+        _sharding_prop._select_min_cost_strategy = selected
+        _strategy_selection_wrapped = True
+        return True

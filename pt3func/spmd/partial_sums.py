@@ -1,0 +1,87 @@
+"""Where a pending sum meets a whole value in an addition, reduce the sum (while a sharded step is traced).
+
+DTensor keeps a partial sum (`Partial`: each rank holds a term) pending for as long as the ops it meets are linear,
+and to add a replicated value to it, it makes that value partial too (the value on one rank, zero on the others),
+which needs no communication. In a transformer whose output projections are row-parallel this keeps the whole
+residual stream partial: a hand-written RMSNorm (`x * rsqrt(mean(x**2))`) is linear in `x` once its scale is
+reduced, so its output stays partial, and the next column-parallel matmul must then multiply a partial input by a
+*whole* weight: DTensor all-gathers the weight, and before the activation function all-reduces the activations
+(a Hugging Face Llama on a tensor parallel mesh: every q/k/v/gate/up weight gathered, forward and backward, the
+tensor parallel layout undone). Megatron and GSPMD reduce the row-parallel output where it joins the residual.
+That is the rule here: for `add` / `sub` with a partial and a whole operand, DTensor chooses among the strategies
+that keep the whole operand as it is and reduce the partial one into its layout (an all-reduce; failing that,
+among those that at least make no operand partial), so the sum leaves the addition whole. Left to itself on a
+dp x tp mesh, even without the partial option, DTensor preferred a reduce-scatter onto the batch dim and then
+all-gathered the activations again before every matmul that read them. The backward's gradient accumulation (an `add`
+of a residual gradient and a partial one) follows the same rule: one reduction per block there too, as in
+Megatron. Sums of partial values (`Partial + Partial`) stay pending.
+
+Applied only inside `reducing_partial_sums()` (pt3func's sharded traces), per thread: DTensor used eagerly
+elsewhere in the process keeps its own choices (DTensor does not cache its choices while tracing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pt3func._compat import wrap_dtensor_strategy_selection
+from pt3func.config import config
+
+aten = torch.ops.aten
+_ADDITIONS = frozenset({aten.add.Tensor, aten.sub.Tensor})
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def reducing_partial_sums() -> Iterator[None]:
+    """While active (in this thread), DTensor reduces a partial sum where an addition meets a whole value.
+
+    Off with "reduce_partial_sums" in `pf.config.disabled_passes` (DTensor's own choices throughout).
+    """
+    if "reduce_partial_sums" in config.disabled_passes:
+        yield
+        return
+    wrap_dtensor_strategy_selection(_select)
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
+    """DTensor's choice of strategy for an addition, among those that reduce its partial operand and leave the
+    whole operands as they are (else among those that at least make no operand partial)."""
+    if getattr(_state, "depth", 0) and op_schema is not None and op_schema.op in _ADDITIONS:
+        for keep in (_reduces_into_whole_operand, _makes_no_operand_partial):
+            kept = [spec for spec in strategy.strategies if keep(spec, op_schema)]
+            if kept:
+                if len(kept) < len(strategy.strategies):
+                    strategy = type(strategy)(kept)
+                break
+    return original(strategy, op_schema)
+
+
+def _desired(spec: Any, op_schema: Any) -> list:
+    return [spec.output_spec if spec.input_specs is None else spec.input_specs[i]
+            for i in range(len(op_schema.args_spec))]
+
+
+def _makes_no_operand_partial(spec: Any, op_schema: Any) -> bool:
+    return not any(want.is_partial() and not have.is_partial()
+                   for current, desired in zip(op_schema.args_spec, _desired(spec, op_schema))
+                   for have, want in zip(current.placements, desired.placements))
+
+
+def _reduces_into_whole_operand(spec: Any, op_schema: Any) -> bool:
+    # A whole operand keeps its layout (Megatron's replicated residual stream; on dp x tp still split over dp):
+    # the partial one is reduced into that layout (one all-reduce), not both moved to a layout of DTensor's.
+    whole_kept = all(current.placements == desired.placements
+                     for current, desired in zip(op_schema.args_spec, _desired(spec, op_schema))
+                     if not any(p.is_partial() for p in current.placements))
+    return whole_kept and _makes_no_operand_partial(spec, op_schema)
