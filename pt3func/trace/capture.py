@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+from torch.overrides import TorchFunctionMode
 
 from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError
 from pt3func.trace.source import describe, is_user_file, user_frame_in_stack_trace, user_frame_in_traceback
@@ -122,12 +123,32 @@ def _dtensor_bookkeeping_untraced() -> Iterator[None]:
         setattr(cls, name, raw)
 
 
+_RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._VariableFunctions.gru,
+                                torch._C._VariableFunctions.rnn_tanh, torch._C._VariableFunctions.rnn_relu})
+
+
+class _RecurrentWithoutOneDNN(TorchFunctionMode):
+    """Trace recurrent layers through their plain kernels, not oneDNN's (CPU).
+
+    With oneDNN on, `nn.LSTM` on CPU lowers to `mkldnn_rnn_layer`, whose traced backward reads a workspace the
+    fake forward never made: every pf.jit of an LSTM step on CPU failed ("Expected a proper Tensor but got None
+    ... 'workspace'"). CUDA's kernels are not affected; the rest of the step keeps oneDNN.
+    """
+
+    def __torch_function__(self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None):
+        if func in _RECURRENT_KERNELS:
+            with torch.backends.mkldnn.flags(enabled=False):
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 def trace(
     fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor], fn_name: str
 ) -> torch.fx.GraphModule:
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
-        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced():
+        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced(), \
+                _RecurrentWithoutOneDNN():
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*example_inputs)
     except _DATA_DEPENDENT_ERRORS as exc:
         frame = user_frame_in_traceback(exc.__traceback__)
