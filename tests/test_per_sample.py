@@ -1,5 +1,6 @@
-"""Recurrent layers in jitted steps: LSTM/GRU/RNN on CPU (traced through their plain kernels, oneDNN's failed), and
-on batch-sharded inputs (each rank runs its own sequences; DTensor has no rule for their in-place transpose),
+"""Layers that never mix samples, in jitted steps: LSTM/GRU/RNN on CPU (traced through their plain kernels, oneDNN's
+failed), and recurrent layers and group norm on batch-sharded inputs (each rank runs its own samples; DTensor has
+no rule for the recurrent kernels' in-place transpose, and its group norm backward kept the global batch size),
 equal to one device."""
 
 from __future__ import annotations
@@ -92,3 +93,27 @@ def test_dropout_between_layers_is_not_run_per_rank():
     with pf.set_mesh(mesh), pytest.raises(Exception, match="transpose_"):
         pf.jit(pf.value_and_grad(loss_fn), backend="eager")(
             pf.device_put(params, P()), pf.device_put(x, P("dp")), pf.device_put(y, P("dp")))
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp"])
+def test_group_norm_on_a_sharded_batch_equals_one_device(layout):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GroupNorm(2, 8), torch.nn.ReLU(),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5))
+    params, apply = pf.functionalize(net)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+    def loss_fn(p, x, y):
+        return torch.nn.functional.cross_entropy(apply(p, x), y)
+
+    step = pf.jit(pf.value_and_grad(loss_fn), backend="eager")
+    want_loss, want_grads = step(params, x, y)
+    mesh = pf.make_mesh((2,), ("dp",), virtual=True)
+    specs = pf.tree.map(lambda t: P("dp") if layout == "fsdp" and t.shape[0] % 2 == 0 else P(), params)
+    with pf.set_mesh(mesh):
+        loss, grads = pf.device_get(step(pf.device_put(params, specs), pf.device_put(x, P("dp")),
+                                         pf.device_put(y, P("dp"))))
+    torch.testing.assert_close(loss, want_loss)
+    for got, want in zip(pf.tree.leaves(grads), pf.tree.leaves(want_grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
