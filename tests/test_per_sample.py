@@ -117,3 +117,29 @@ def test_group_norm_on_a_sharded_batch_equals_one_device(layout):
     torch.testing.assert_close(loss, want_loss)
     for got, want in zip(pf.tree.leaves(grads), pf.tree.leaves(want_grads), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum_weighted"])
+def test_embedding_bags_on_a_sharded_batch_equal_one_device(mode):
+    torch.manual_seed(0)
+    params = {"table": torch.randn(20, 8), "head": torch.randn(8, 5)}
+    g = torch.Generator().manual_seed(1)
+    idx, y = torch.randint(0, 20, (4, 6), generator=g), torch.randint(0, 5, (4,), generator=g)
+    weights = torch.rand(4, 6, generator=g)
+
+    def loss_fn(p, idx, w, y):
+        if mode == "mean":
+            bags = torch.nn.functional.embedding_bag(idx, p["table"], mode="mean")
+        else:
+            bags = torch.nn.functional.embedding_bag(idx, p["table"], mode="sum", per_sample_weights=w)
+        return torch.nn.functional.cross_entropy(bags @ p["head"], y)
+
+    step = pf.jit(pf.value_and_grad(loss_fn), backend="eager")
+    want_loss, want_grads = step(params, idx, weights, y)
+    mesh = pf.make_mesh((2,), ("dp",), virtual=True)
+    with pf.set_mesh(mesh):
+        loss, grads = pf.device_get(step(pf.device_put(params, P()), *(pf.device_put(t, P("dp"))
+                                                                        for t in (idx, weights, y))))
+    torch.testing.assert_close(loss, want_loss)
+    for k in params:
+        torch.testing.assert_close(grads[k], want_grads[k], rtol=1e-4, atol=1e-6)

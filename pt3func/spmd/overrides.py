@@ -1,8 +1,8 @@
 """Torch functions pt3func handles itself while a sharded step is traced (a TorchFunctionMode).
 
 - `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
-- Group normalisation and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded inputs: run on
-  each rank's own samples (`per_sample.py`).
+- Group normalisation, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded
+  inputs: run on each rank's own samples (`per_sample.py`).
 - `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
   inside the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on
   the dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
-from pt3func.spmd.per_sample import RECURRENT, group_norm_locally, run_locally
+from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
 from pt3func.spmd.vocab_embedding import lookup
 
 
@@ -33,6 +33,10 @@ class ShardedTraceOverrides(TorchFunctionMode):
             lowered = lookup(*args, **kwargs)
             if lowered is not None:
                 return lowered
+        elif func is F.embedding_bag:
+            local = embedding_bag_locally(args, kwargs)
+            if local is not None:
+                return local
         elif func is F.group_norm:
             local = group_norm_locally(args, kwargs)
             if local is not None:

@@ -8,12 +8,16 @@ Group normalisation (`F.group_norm`): DTensor shards its forward, but its backwa
 (`native_group_norm_backward`) keeps the global batch size among its arguments and fails on the local shard
 ("Expect input to have ... elements").
 
+Bags of embeddings (`F.embedding_bag` over 2-D indices, a bag per row): DTensor has no rule for
+`aten._embedding_bag`.
+
 Recurrent layers (`nn.RNN`, `nn.GRU`, `nn.LSTM`): DTensor cannot run them: their CPU kernels transpose in
 place (`aten.transpose_`), which has no sharding rule (it would change the tensor's placements). Outputs are
 split along the batch dim, the final hidden (and cell) states along theirs (dim 1). A whole initial state (made
 inside the step, as `nn.GRU` makes one when given none, or replicated) is split like the input first.
 
 Not handled (DTensor's path, and its error, as before): group norm over a sharded channel or spatial dim;
+embedding bags over 1-D indices with offsets, or with `max_norm`;
 recurrent layers with packed sequences, unbatched (2-D) inputs, inputs split along time or features, sharded
 weights, or dropout between layers while training (each rank would draw its own mask, unlike one device).
 """
@@ -47,6 +51,28 @@ def group_norm_locally(args: tuple, kwargs: dict) -> Any:
         if local.get(k) is not None:
             local[k] = _local_weight(local[k], axes)
     out = torch.nn.functional.group_norm(**local)
+    return DTensor.from_local(out, inp.device_mesh, inp.placements, run_check=False)
+
+
+_EMBEDDING_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
+                       "per_sample_weights", "include_last_offset", "padding_idx")
+
+
+def embedding_bag_locally(args: tuple, kwargs: dict) -> Any:
+    """`F.embedding_bag` over 2-D indices (one bag a row) on each rank's rows; None where not exact."""
+    bound = dict(zip(_EMBEDDING_BAG_ARGS, args), **kwargs)
+    inp, weight, per_sample = bound.get("input"), bound.get("weight"), bound.get("per_sample_weights")
+    if (not isinstance(inp, DTensor) or inp.ndim != 2 or bound.get("offsets") is not None
+            or bound.get("max_norm") is not None or not _replicated(weight, inp.device_mesh)):
+        return None  # 1-D indices with offsets: bags are not aligned with the split; max_norm writes the table
+    axes = _batch_axes(inp, 0)
+    if not axes or (per_sample is not None and (not isinstance(per_sample, DTensor)
+                                                or tuple(per_sample.placements) != tuple(inp.placements))):
+        return None
+    local = dict(bound, input=inp.to_local(), weight=_local_weight(weight, axes))
+    if per_sample is not None:
+        local["per_sample_weights"] = per_sample.to_local()
+    out = torch.nn.functional.embedding_bag(**local)
     return DTensor.from_local(out, inp.device_mesh, inp.placements, run_check=False)
 
 
