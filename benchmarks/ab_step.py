@@ -34,21 +34,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, append_jsonl, environment, print_table
+from common import RESULTS, append_jsonl, environment, find_anchor, print_table
 from lm_step import build_run, parse_args, pf_config_of
 
 import pt3func as pf
 
-HERE = Path(__file__).resolve().parent
-ANCHOR_CANDIDATES = (
-    HERE.parent / "shared" / "bench" / "anchor_lm_step.py",
-    HERE.parent.parent / "shared" / "bench" / "anchor_lm_step.py",
-    HERE.parent / ".whl" / "anchor_lm_step.py",
-)
 PROCESS_WIDE = ("inductor_option", "overlap", "overlap_scheduler", "sdpa_priority")
 
 
@@ -132,7 +125,7 @@ def main() -> None:
 
 def anchor_step(impl: str, model: str, path: str | None) -> Callable[[], Any]:
     """One step of the anchor script's `impl`, built by running the script itself in this process."""
-    script = next((Path(c) for c in ([path] if path else ANCHOR_CANDIDATES) if Path(c).exists()), None)
+    script = find_anchor(path)
     if script is None:
         raise SystemExit("anchor script not found (--anchor), or run with --anchor-impl none")
     argv = sys.argv

@@ -14,6 +14,21 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_ROOT = Path(__file__).resolve().parent.parent
+# The anchor benchmark (shared/bench/anchor_lm_step.py) beside or above the checkout, or carried to the GPU in .whl.
+ANCHOR_CANDIDATES = (
+    _ROOT / "shared" / "bench" / "anchor_lm_step.py",
+    _ROOT.parent / "shared" / "bench" / "anchor_lm_step.py",
+    _ROOT / ".whl" / "anchor_lm_step.py",
+)
+
+
+def find_anchor(path: str | None = None) -> Path | None:
+    """The anchor script: `path` if given, else the first of ANCHOR_CANDIDATES that exists; None if none does."""
+    for candidate in ([Path(path)] if path else ANCHOR_CANDIDATES):
+        if candidate.exists():
+            return candidate.resolve()
+    return None
 
 
 def environment() -> dict[str, Any]:

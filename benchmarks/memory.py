@@ -38,15 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, arrive_and_wait, environment, mark_arrived, print_table, write_json
+from common import RESULTS, arrive_and_wait, environment, find_anchor, mark_arrived, print_table, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ANCHOR_CANDIDATES = (
-    ROOT / "shared" / "bench" / "anchor_lm_step.py",
-    ROOT.parent / "shared" / "bench" / "anchor_lm_step.py",
-    ROOT / ".whl" / "anchor_lm_step.py",
-)
 GIB = 2**30
 
 # name -> lm_step.py flags. Part (a) compares these with torch.compile; part (b) is the policy table.
@@ -278,9 +273,9 @@ def _key(run: Run) -> tuple:
 
 
 def _find_anchor(path: str | None) -> Path | None:
-    for candidate in ([Path(path)] if path else ANCHOR_CANDIDATES):
-        if candidate.exists():
-            return candidate.resolve()
+    found = find_anchor(path)
+    if found is not None:
+        return found
     print("anchor script not found (--anchor): torch.compile rows are skipped", flush=True)
     return None
 

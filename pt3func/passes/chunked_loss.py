@@ -337,7 +337,7 @@ def matmul_accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
     elsewhere the operands are upcast, which is exact. A custom op because torch 2.11's fake-tensor rule for
     `addmm.dtype` is broken (it runs the plain addmm decomposition), and so that Inductor calls it as it is.
     """
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _fp32_output_matmul(a.dtype):
+    if _cublas_writes_fp32(a):
         if acc is None:
             return torch.ops.aten.mm.dtype(a, b, torch.float32)
         return torch.ops.aten.addmm.dtype(acc, a, b, torch.float32)
@@ -353,7 +353,7 @@ def _(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
 @torch.library.custom_op("pt3func::matmul_accumulate_", mutates_args=("acc",))
 def matmul_accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """`acc += a @ b` in fp32, in place (`acc` fp32): the in-place form `accumulate_in_place` gives Inductor."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _fp32_output_matmul(a.dtype):
+    if _cublas_writes_fp32(a):
         torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
     else:
         acc.add_(a.float() @ b.float())
@@ -401,6 +401,11 @@ def accumulate_in_place(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
     graph.lint()
     return fx.GraphModule(gm, graph)
+
+
+def _cublas_writes_fp32(a: torch.Tensor) -> bool:
+    """Whether a matmul of `a` (and a like operand) can write fp32 directly (else: upcast operands, exact)."""
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _fp32_output_matmul(a.dtype)
 
 
 @functools.cache

@@ -57,7 +57,8 @@ def reducing_partial_sums() -> Iterator[None]:
 def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
     """DTensor's choice of strategy for an addition, among those that reduce its partial operand and leave the
     whole operands as they are (else among those that at least make no operand partial)."""
-    if getattr(_state, "depth", 0) and op_schema is not None and op_schema.op in _ADDITIONS:
+    if getattr(_state, "depth", 0) and op_schema is not None and op_schema.op in _ADDITIONS \
+            and _mixes_partial_and_whole(op_schema):
         for keep in (_reduces_into_whole_operand, _makes_no_operand_partial):
             kept = [spec for spec in strategy.strategies if keep(spec, op_schema)]
             if kept:
@@ -65,6 +66,11 @@ def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
                     strategy = type(strategy)(kept)
                 break
     return original(strategy, op_schema)
+
+
+def _mixes_partial_and_whole(op_schema: Any) -> bool:
+    partial = [any(p.is_partial() for p in spec.placements) for spec in op_schema.args_spec]
+    return any(partial) and not all(partial)
 
 
 def _desired(spec: Any, op_schema: Any) -> list:

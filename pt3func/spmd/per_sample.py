@@ -31,9 +31,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from pt3func._compat import is_plain_shard
+from pt3func.trace.capture import RECURRENT_KERNELS
 
-_VF = torch._C._VariableFunctions
-RECURRENT = frozenset({_VF.rnn_tanh, _VF.rnn_relu, _VF.gru, _VF.lstm})
+RECURRENT = RECURRENT_KERNELS
 
 
 def group_norm_locally(args: tuple, kwargs: dict) -> Any:

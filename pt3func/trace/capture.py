@@ -123,7 +123,7 @@ def _dtensor_bookkeeping_untraced() -> Iterator[None]:
         setattr(cls, name, raw)
 
 
-_RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._VariableFunctions.gru,
+RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._VariableFunctions.gru,
                                 torch._C._VariableFunctions.rnn_tanh, torch._C._VariableFunctions.rnn_relu})
 
 
@@ -136,7 +136,7 @@ class _RecurrentWithoutOneDNN(TorchFunctionMode):
     """
 
     def __torch_function__(self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None):
-        if func in _RECURRENT_KERNELS:
+        if func in RECURRENT_KERNELS:
             with torch.backends.mkldnn.flags(enabled=False):
                 return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
