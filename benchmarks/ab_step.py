@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from common import RESULTS, append_jsonl, environment, find_anchor, print_table
+from gpu_profile import format_summary, profile_steps
 from lm_step import build_run, parse_args, pf_config_of
 
 import pt3func as pf
@@ -60,10 +61,19 @@ def main() -> None:
         default=4,
         help="steps of a run in a row; its first is not timed (1: every step timed, one step a turn)",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="after the rounds, profile this many steps of each run (a turn, first untimed): kernel time by kind, "
+        "NCCL time not hidden behind compute, idle time (CUDA only)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not a.variant:
         raise SystemExit("give at least one --variant")
+    if a.profile and a.device != "cuda":
+        raise SystemExit("--profile reads CUDA kernel times: CUDA only")
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     runs: dict[str, Callable[[], Any]] = {}
@@ -100,6 +110,7 @@ def main() -> None:
                 sync()
                 if k or a.turn == 1:  # a turn's first step runs on caches the previous run left: not timed
                     times[name].append(time.perf_counter() - start)
+    profiles = {name: profile_run(runs[name], a.profile, sync) for name in names} if a.profile else {}
     if rank != 0:
         return
     reference = names[0]
@@ -114,13 +125,31 @@ def main() -> None:
         record_runs[name] = dict(step_ms=round(med * 1e3, 2), tokens_per_s=round(batch_tokens / med),
                                  speed_vs_reference=round(statistics.median(ratios), 4), steps_faster=faster,
                                  step_times_ms=[round(t * 1e3, 2) for t in times[name]])
+        if name in profiles:
+            record_runs[name]["profile"] = profiles[name]
     print_table(f"{a.rounds} rounds of {a.turn} steps of each in turn (speed = {reference}'s time / this one's, "
                 "step by step, median)", ["run", "step ms", "tokens/s", "speed", "steps faster"], rows)
+    for name, summary in profiles.items():
+        print(f"--- {name}\n{format_summary(summary)}", flush=True)
     record = dict(reference=reference, rounds=a.rounds, turn=a.turn, world=world, model=a.model, runs=record_runs,
                   env=environment())
     out = a.out or RESULTS / f"ab_step_{'cpu' if a.device == 'cpu' else 'gpu'}.jsonl"
     print(f"appended to {append_jsonl(out, record)}", flush=True)
     print(json.dumps({k: v["speed_vs_reference"] for k, v in record_runs.items()}), flush=True)
+
+
+def profile_run(call: Callable[[], Any], steps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    """`steps` steps of one run under the profiler, after one untimed step (as a turn's first)."""
+    call()
+    sync()
+
+    def step_once() -> None:
+        call()
+        sync()
+
+    summary = profile_steps(step_once, steps)
+    summary["idle_ms"] = round(summary["span_ms"] - summary["busy_ms"], 3)
+    return summary
 
 
 def anchor_step(impl: str, model: str, path: str | None) -> Callable[[], Any]:
