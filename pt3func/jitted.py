@@ -41,6 +41,7 @@ from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.spmd.partial_sums import reducing_partial_sums
 from pt3func.stages import Compiled, Lowered, Program
 from pt3func.trace import capture
+from pt3func.trace.leaf_memo import LeafKeyMemo
 from pt3func.trace.signature import (
     SCALAR_TYPES,
     ArgSpec,
@@ -98,12 +99,21 @@ class Jitted:
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
+        self._leaf_memo = LeafKeyMemo(leaf_key)  # keys of the leaves the last call returned (and kept valid)
         functools.update_wrapper(self, fn)
 
-    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any], Any, tuple, Compiled | None]:
+    def _key(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
         leaves, treedef, static = split_call(self._spec, args, kwargs)
+        leaf_keys = tuple(self._leaf_memo.keys(leaves))
+        last = self._leaf_memo.last()
+        # The loop's common case: the last call's signature again (its DTensor keys the very same objects when it
+        # returned those leaves: compared by identity). Its program again, nothing hashed.
+        if last is not None and last[0] == treedef and last[1] == static and last[2] == leaf_keys:
+            return last[3], leaves, treedef, static, last[4], leaf_keys
         try:
-            key = (treedef, static, tuple([leaf_key(leaf) for leaf in leaves]))
+            key = (treedef, static, leaf_keys)
             compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here
         except TypeError:
             check_hashable(static, lambda: [repr(s) for s in static])
@@ -116,7 +126,7 @@ class Jitted:
                 f"{self.name}: arguments {', '.join(bad)} are neither tensors nor Python scalars, so they are "
                 "treated as static values, which must be hashable. Convert them to tensors or make them hashable."
             ) from None
-        return key, leaves, treedef, static, compiled
+        return key, leaves, treedef, static, compiled, leaf_keys
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if VirtualWorld._installed and not in_rank_thread():
@@ -125,13 +135,26 @@ class Jitted:
                 return virtual_call(vmesh, self, args, kwargs)
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
-        key, leaves, treedef, static, compiled = self._key(args, kwargs)
+        key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
             compiled = lowered.compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled
-        return compiled.run_leaves(leaves)
+        if compiled._switch is not None:  # the exchange guard picks the program: its outputs are not remembered
+            self._leaf_memo.forget()
+            return compiled.run_leaves(leaves)
+        out_leaves = compiled.run_flat(leaves)
+        # After the launch (on a GPU this overlaps the step): the signature of the next call's likely leaves.
+        self._leaf_memo.remember(
+            leaves,
+            leaf_keys,
+            compiled.leaf_stays_valid,
+            out_leaves,
+            compiled.output_keys(out_leaves),
+            (treedef, static, leaf_keys, key, compiled),
+        )
+        return tree.unflatten(compiled._program.out_treedef, out_leaves)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
@@ -141,7 +164,7 @@ class Jitted:
                 return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
         if self.in_shardings is not None:
             args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
-        key, leaves, treedef, static, _ = self._key(args, kwargs)
+        key, leaves, treedef, static, _, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
         if lowered is None:
             lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key)

@@ -160,6 +160,15 @@ class Compiled:
         self._program = p
         self._aliased_input_of = {j: p.graph_input_leaves.index(i) for j, i in p.donation.aliases.items()}
         self._invalidate = [i for i in p.donated_leaves if i in p.donation.donated_inputs]
+        self._invalidated = frozenset(self._invalidate)
+        self._output_keys: list[Any] | None = None
+        # Positions in the program's inputs of the call's tensor leaves, when every tensor leaf is an input: the
+        # donation overlap check then reads the unwrapped inputs only.
+        tensor_leaves = [i for i, kind in enumerate(p.input_leaf_kind) if kind in ("tensor", "dtensor")]
+        position = {leaf: k for k, leaf in enumerate(p.graph_input_leaves)}
+        self._tensor_inputs = (
+            [position[i] for i in tensor_leaves] if all(i in position for i in tensor_leaves) else None
+        )
         self._check_overlap = bool(p.donated_leaves)
         self._input_kinds = [p.input_leaf_kind[i] for i in p.graph_input_leaves]
         self._where = f"jitted '{p.name}'"
@@ -232,9 +241,11 @@ class Compiled:
         return self._run_leaves(leaves)
 
     def _run_leaves(self, leaves: list[Any]) -> Any:
+        return tree.unflatten(self._program.out_treedef, self.run_flat(leaves))
+
+    def run_flat(self, leaves: list[Any]) -> list[Any]:
+        """Run on the flat leaves of a call; the flat output leaves (no exchange guard: see `run_leaves`)."""
         p = self._program
-        if self._check_overlap:
-            _check_donation_overlap(p, leaves)
         inputs = []
         for i, kind in zip(p.graph_input_leaves, self._input_kinds):
             leaf = leaves[i]
@@ -243,6 +254,8 @@ class Compiled:
             elif kind == "scalar" and not self._graphed:  # a graph fills its own scalar buffer
                 leaf = torch.tensor(leaf, dtype=p.scalar_dtypes[i], device=p.scalar_device)
             inputs.append(leaf)
+        if self._check_overlap:
+            self._refuse_donation_overlap(leaves, inputs)
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without the context manager's cost
         try:
@@ -261,7 +274,26 @@ class Compiled:
             out_leaves[j] = meta.rebuild(out_leaves[j])
         for i in self._invalidate:
             invalidate(leaves[i], self._where)
-        return tree.unflatten(p.out_treedef, out_leaves)
+        return out_leaves
+
+    def _refuse_donation_overlap(self, leaves: list[Any], inputs: list[Any]) -> None:
+        if self._tensor_inputs is not None:
+            # The common case, from the program's tensor inputs alone (local tensors: no DTensor dispatch).
+            ptrs = [inputs[k].untyped_storage().data_ptr() for k in self._tensor_inputs if inputs[k].numel()]
+            if len(set(ptrs)) == len(ptrs):
+                return
+        _check_donation_overlap(self._program, leaves)
+
+    def leaf_stays_valid(self, i: int) -> bool:
+        """Whether input leaf `i` is still usable after a call (not donated and invalidated)."""
+        return i not in self._invalidated
+
+    def output_keys(self, out_leaves: list[Any]) -> list[Any]:
+        """The signature key of each output tensor leaf (None for others). A program's outputs keep their layout
+        from call to call, so they are read once."""
+        if self._output_keys is None:
+            self._output_keys = [leaf_key(x) if isinstance(x, torch.Tensor) else None for x in out_leaves]
+        return self._output_keys
 
 
 def _aliased_graph_inputs(p: Program) -> list[int]:
@@ -272,13 +304,6 @@ def _aliased_graph_inputs(p: Program) -> list[int]:
 
 def _check_donation_overlap(p: Program, leaves: list[Any]) -> None:
     """Refuse a call where a donated buffer is also passed elsewhere (twice donated, or donated and read)."""
-    ptrs = [
-        getattr(leaf, "_local_tensor", leaf).untyped_storage().data_ptr()
-        for leaf in leaves
-        if isinstance(leaf, torch.Tensor) and leaf.numel()
-    ]
-    if len(set(ptrs)) == len(ptrs):  # the common case: every buffer distinct
-        return
     seen: dict[int, int] = {}
     donated = set(p.donated_leaves)
     for i, leaf in enumerate(leaves):
