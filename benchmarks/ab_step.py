@@ -68,6 +68,7 @@ def main() -> None:
         help="after the rounds, profile this many steps of each run (a turn, first untimed): kernel time by kind, "
         "NCCL time not hidden behind compute, idle time (CUDA only)",
     )
+    p.add_argument("--trace-dir", default=None, help="with --profile: write each run's Chrome trace (.json.gz) here")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not a.variant:
@@ -101,16 +102,25 @@ def main() -> None:
         sync()
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
+    host: dict[str, list[float]] = {n: [] for n in names}  # until the call returned (launched, not finished)
     for r in range(a.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no run always follows another
             for k in range(a.turn):
                 sync()
                 start = time.perf_counter()
                 runs[name]()
+                returned = time.perf_counter()
                 sync()
                 if k or a.turn == 1:  # a turn's first step runs on caches the previous run left: not timed
                     times[name].append(time.perf_counter() - start)
-    profiles = {name: profile_run(runs[name], a.profile, sync) for name in names} if a.profile else {}
+                    host[name].append(returned - start)
+    profiles = {}
+    for i, name in enumerate(names if a.profile else []):
+        trace = None
+        if a.trace_dir:
+            os.makedirs(a.trace_dir, exist_ok=True)
+            trace = os.path.join(a.trace_dir, f"run{i}.rank{rank}.json.gz")
+        profiles[name] = profile_run(runs[name], a.profile, sync, trace)
     if rank != 0:
         return
     reference = names[0]
@@ -120,15 +130,17 @@ def main() -> None:
         # Step i of a run against step i of the reference: the same round (> 1: faster than the reference).
         ratios = [ref / t for ref, t in zip(times[reference], times[name])]
         faster = sum(x > 1 for x in ratios) / len(ratios)
-        rows.append([name, round(med * 1e3, 2), round(batch_tokens / med), round(statistics.median(ratios), 4),
-                     f"{faster:.0%}"])
+        host_ms = round(statistics.median(host[name]) * 1e3, 2)
+        rows.append([name, round(med * 1e3, 2), host_ms, round(batch_tokens / med),
+                     round(statistics.median(ratios), 4), f"{faster:.0%}"])
         record_runs[name] = dict(step_ms=round(med * 1e3, 2), tokens_per_s=round(batch_tokens / med),
                                  speed_vs_reference=round(statistics.median(ratios), 4), steps_faster=faster,
+                                 host_ms=round(statistics.median(host[name]) * 1e3, 3),
                                  step_times_ms=[round(t * 1e3, 2) for t in times[name]])
         if name in profiles:
             record_runs[name]["profile"] = profiles[name]
     print_table(f"{a.rounds} rounds of {a.turn} steps of each in turn (speed = {reference}'s time / this one's, "
-                "step by step, median)", ["run", "step ms", "tokens/s", "speed", "steps faster"], rows)
+                "step by step, median)", ["run", "step ms", "host ms", "tokens/s", "speed", "steps faster"], rows)
     for name, summary in profiles.items():
         print(f"--- {name}\n{format_summary(summary)}", flush=True)
     record = dict(reference=reference, rounds=a.rounds, turn=a.turn, world=world, model=a.model, runs=record_runs,
@@ -138,7 +150,9 @@ def main() -> None:
     print(json.dumps({k: v["speed_vs_reference"] for k, v in record_runs.items()}), flush=True)
 
 
-def profile_run(call: Callable[[], Any], steps: int, sync: Callable[[], None]) -> dict[str, Any]:
+def profile_run(
+    call: Callable[[], Any], steps: int, sync: Callable[[], None], trace: str | None = None
+) -> dict[str, Any]:
     """`steps` steps of one run under the profiler, after one untimed step (as a turn's first)."""
     call()
     sync()
@@ -147,7 +161,7 @@ def profile_run(call: Callable[[], Any], steps: int, sync: Callable[[], None]) -
         call()
         sync()
 
-    summary = profile_steps(step_once, steps)
+    summary = profile_steps(step_once, steps, trace)
     summary["idle_ms"] = round(summary["span_ms"] - summary["busy_ms"], 3)
     return summary
 

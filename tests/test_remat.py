@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -578,3 +579,42 @@ def test_fence_leaves_views_of_kept_values_alone():
     assert fences, "the recomputed LayerNorm / matmul inputs are still fenced"
     for fence in fences:
         assert not any(is_view(user) for user in fence.users), fence.format_node()
+
+
+def test_fence_token_is_a_library_kernel_output_that_reads_no_copy():
+    """Each group of copies waits for a matmul (or attention, or a collective) of the backward that reads no
+    recomputed value: a pointwise token pulled the copies into its own kernel, and a token reading the group
+    before chained the groups, so the recomputed GELU could not fuse with the GELU backward (one kernel in
+    torch.compile's remat, two in ours before: 0.09 ms a block on an H200)."""
+    from pt3func.passes.remat import _made_by_opaque_kernel
+
+    policy = pf.checkpoint_policies.save_only_these_names("mlp_in")
+    step_fn, opt = make_step(policy, dropout=0.0, body=mlp_block)
+    params = init_params()
+    step = pf.jit(step_fn)
+    lowered = step.lower(params, opt.init(params), *data())
+    nodes = list(lowered.graph_module.graph.nodes)
+    copies = {n for n in nodes if str(n.meta.get("custom", {}).get("pt3func", "")).startswith("remat of")}
+    assert any(n.target is aten.gelu.default for n in copies)
+    fences = [n for n in nodes if n.target is aten.where.ScalarSelf]
+    assert len(fences) >= 2
+    position = {n: i for i, n in enumerate(nodes)}
+    first_opaque = min(position[n] for n in nodes if _is_backward(n) and _made_by_opaque_kernel(n))
+    for fence in fences:
+        token = fence.args[0].args[0].args[0]  # where(never, ...) <- logical_and <- isnan <- select
+        while token.target is aten.select.int:
+            token = token.args[0]
+        # (before the backward's first matmul, the latest backward value of any kind)
+        assert _made_by_opaque_kernel(token) or position[fence] < first_opaque, token.format_node()
+        reads = set(token.all_input_nodes)
+        while any(is_view(r) for r in reads):  # through views to what they view
+            reads = {s for r in reads for s in (r.all_input_nodes if is_view(r) else [r])}
+        assert not reads & copies, token.format_node()
+    # Under Inductor the recomputed GELU shares a kernel with the GELU backward.
+    from torch._inductor.utils import run_and_get_code
+
+    state = opt.init(params)
+    _, codes = run_and_get_code(lambda: step(params, state, *data()))
+    code = next(c for c in codes if "def call(" in c)
+    kernels = re.findall(r"^(?:async_compile\.\w+\(|)(\w*fused\w*) = ", code, re.M)
+    assert any("gelu_gelu_backward" in k for k in kernels), kernels

@@ -469,6 +469,34 @@ def _is_offload_op(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.name() in _OFFLOAD_OPS
 
 
+# Ops Inductor runs as library kernels (cuBLAS, cuDNN, NCCL, oneDNN): no pointwise work is fused into them.
+_OPAQUE_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_scaled_mm",
+        "aten::convolution",
+        "aten::convolution_backward",
+        "aten::_scaled_dot_product_flash_attention_backward",
+        "aten::_scaled_dot_product_efficient_attention_backward",
+        "aten::_scaled_dot_product_cudnn_attention_backward",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        "aten::_flash_attention_backward",
+        "aten::_efficient_attention_backward",
+        "_c10d_functional::wait_tensor",
+    }
+)
+
+
+def _made_by_opaque_kernel(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:  # one output of a multi-output kernel (attention's backward)
+        target = node.args[0].target if isinstance(node.args[0], fx.Node) else None
+    return isinstance(target, torch._ops.OpOverload) and target.name() in _OPAQUE_OPS
+
+
 def _is_copy(node: fx.Node) -> bool:
     return str(custom(node).get("pt3func", "")).startswith(("remat of", "reload of"))
 
@@ -479,24 +507,39 @@ def fence_recomputation(gm: fx.GraphModule) -> fx.GraphModule:
     Inductor fuses a consumer into its producer kernel whatever the distance between them: a recomputed
     `layer_norm(x)` would be computed with the forward's `x` kernel and kept until the backward, undoing
     remat. A copy reading only forward values reads one of them through `where(never, 0, value)`,
-    with `never` derived from a backward value computed just before the group (`isnan(t) & isinf(t)` of one
+    with `never` derived from a backward value computed before the group (`isnan(t) & isinf(t)` of one
     element of it: always False, which no compiler folds): the copies now depend on the backward, so they
     cannot run earlier, and the select fuses into their first kernel (no copy) for pointwise/reduction
     consumers. The value is passed through bit for bit.
+
+    The token is the latest backward value before the group that an opaque kernel made (a matmul, attention,
+    a collective's wait) from no recomputed value, the latest backward value of any kind only where there is
+    none. A recomputed GELU fenced on the value before it, its block's weight gradient matmul (which read it),
+    ran in a kernel of its own (0.09 ms a block on an H200); fenced on an earlier matmul it can fuse with the
+    GELU backward that reads the same input (one kernel, as in torch.compile's own remat).
     """
     graph = gm.graph
     nodes = list(graph.nodes)
     fenced = False
     last_backward: fx.Node | None = None
+    # The latest backward value made by a kernel Inductor fuses nothing into, and reading no copy: a token that
+    # reads a copy chains the next group after the first one's consumer (copy -> matmul -> token -> copy), and
+    # Inductor cannot fuse the first copy with a kernel after that chain.
+    last_opaque: fx.Node | None = None
+    copy_values: set[fx.Node] = set()  # copies and views of them
     groups: dict[fx.Node, fx.Node] = {}  # first copy of a group -> the backward token before it
     previous_copy = False
     for node in nodes:
         copy = _is_copy(node)
+        if copy or (is_view(node) and any(inp in copy_values for inp in node.all_input_nodes)):
+            copy_values.add(node)
         if copy and not previous_copy and last_backward is not None:
-            groups[node] = last_backward
+            groups[node] = last_opaque or last_backward
         if not copy and is_backward(node) and isinstance(node.meta.get("val"), torch.Tensor):
             if node.meta["val"].numel() > 0:
                 last_backward = node
+                if _made_by_opaque_kernel(node) and not any(inp in copy_values for inp in node.all_input_nodes):
+                    last_opaque = node
         previous_copy = copy
     token: fx.Node | None = None
     never: fx.Node | None = None
