@@ -221,8 +221,16 @@ REMAT_POLICIES: dict[str, Any] = {
     # Matmul and attention outputs kept; LayerNorms and GELU recomputed (what AOTAutograd's partitioner
     # recomputes for torch.compile).
     "dots_attn_saveable": lambda: pf.checkpoint_policies.save_only_these_names("qkv", "attn", "proj", "fc"),
-    # Everything but the GELU output (the largest cheap value: 4 d per token).
+    # Everything but the GELU output (the largest cheap value: 4 d per token); the weights' bf16 casts are
+    # recomputed too (the names list no cast).
     "recompute_gelu": lambda: pf.checkpoint_policies.save_only_these_names("ln1", "qkv", "attn", "proj", "ln2", "fc"),
+    # Only the GELU output recomputed; the bf16 weight casts kept from the forward, as without remat. In the
+    # whole-step program Inductor fused a recomputed cast with that weight's AdamW update (both read the fp32
+    # weight), which then ran after the weight gradient's matmul, and the block's input-gradient matmul, which
+    # reads the cast, had to wait for it: the recomputed GELU could then not share a kernel with its backward.
+    "gelu_only": lambda: pf.checkpoint_policies.save_only_these_names(
+        "ln1", "qkv", "attn", "proj", "ln2", "fc", "weight"
+    ),
     # The attention output in pinned host memory; everything else recomputed.
     "offload": lambda: pf.checkpoint_policies.offload_to_host("attn"),
     # What "offload" recomputes, with the attention output kept on the device (its memory/speed baseline).
@@ -337,15 +345,18 @@ def make_train_step(
     # Names for the name-based remat policies; without a policy nothing is tagged (the program is unchanged).
     tag = (lambda x, name: x) if make_policy is None else pf.checkpoint_name
 
+    def weight(w: torch.Tensor) -> torch.Tensor:
+        return tag(cast(w), "weight")
+
     def block(x: torch.Tensor, p: Params) -> torch.Tensor:
         b, s, d = x.shape
-        qkv = tag(F.linear(tag(layer_norm(x, p["ln1"]), "ln1"), cast(p["qkv"])), "qkv")
+        qkv = tag(F.linear(tag(layer_norm(x, p["ln1"]), "ln1"), weight(p["qkv"])), "qkv")
         q, k, v = qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
         y = tag(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attn")
-        x = x + tag(F.linear(y.transpose(1, 2).reshape(b, s, d), cast(p["proj"])), "proj")
-        f = tag(F.linear(tag(layer_norm(x, p["ln2"]), "ln2"), cast(p["fc"])), "fc")
+        x = x + tag(F.linear(y.transpose(1, 2).reshape(b, s, d), weight(p["proj"])), "proj")
+        f = tag(F.linear(tag(layer_norm(x, p["ln2"]), "ln2"), weight(p["fc"])), "fc")
         h = tag(F.gelu(f, approximate="tanh"), "gelu")
-        return x + F.linear(h, cast(p["out"]))
+        return x + F.linear(h, weight(p["out"]))
 
     # Selective remat: only the first --remat-blocks blocks are checkpointed (every block's activations are live
     # at the start of the backward, so which blocks matters less than how many).

@@ -51,6 +51,8 @@ PART_A = {
     "pt3func, recompute GELU": ["--policy", "recompute_gelu"],
     "pt3func, recompute GELU + CUDA graphs": ["--policy", "recompute_gelu", "--cuda-graphs"],
     "pt3func, recompute LN + GELU": ["--policy", "dots_attn_saveable"],
+    # GELU alone recomputed, the bf16 weight casts kept (see lm_step.py's "gelu_only").
+    "pt3func, recompute only GELU + CUDA graphs": ["--policy", "gelu_only", "--cuda-graphs"],
     "pt3func, memory_budget 0.9": ["--memory-budget", "0.9"],
     # Selective remat: GELU recomputed in only some blocks, trading part of the memory for part of the time.
     **{
