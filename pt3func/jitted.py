@@ -51,7 +51,7 @@ from pt3func.trace.signature import (
     leaf_key,
     leaf_labels,
     rebuild_call,
-    split_call,
+    split_static,
 )
 
 log = logging.getLogger("pt3func.jit")
@@ -105,13 +105,23 @@ class Jitted:
     def _key(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
-        leaves, treedef, static = split_call(self._spec, args, kwargs)
-        leaf_keys = tuple(self._leaf_memo.keys(leaves))
+        dynamic, static = split_static(self._spec, args, kwargs)
         last = self._leaf_memo.last()
-        # The loop's common case: the last call's signature again (its DTensor keys the very same objects when it
-        # returned those leaves: compared by identity). Its program again, nothing hashed.
-        if last is not None and last[0] == treedef and last[1] == static and last[2] == leaf_keys:
-            return last[3], leaves, treedef, static, last[4], leaf_keys
+        if last is not None:
+            # The loop's common case: the last call's signature again. Its structure is checked while its leaves
+            # are taken (`flatten_up_to`: no sorting of dict keys), its DTensor keys are the very objects when it
+            # returned those leaves (compared by identity); then its program again, nothing hashed.
+            treedef = last[0]
+            try:
+                leaves = treedef.flatten_up_to(dynamic)
+            except (ValueError, TypeError):  # another structure
+                leaves = None
+            if leaves is not None and last[1] == static:
+                leaf_keys = tuple(self._leaf_memo.keys(leaves))
+                if last[2] == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
+                    return last[3], leaves, treedef, static, last[4], leaf_keys
+        leaves, treedef = tree.flatten(dynamic)
+        leaf_keys = tuple(self._leaf_memo.keys(leaves))
         try:
             key = (treedef, static, leaf_keys)
             compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here

@@ -127,3 +127,21 @@ def _rank_tensors(leaves):
     for leaf in leaves:
         found.extend(leaf.locals)
     return found
+
+
+def test_another_structure_after_a_cached_call_is_traced_again():
+    """The fast path takes the leaves along the last call's structure (`flatten_up_to`): a subtree where a leaf
+    was, an extra key, another static value are all new signatures, with the right numbers."""
+
+    def total(tree, scale):
+        return sum(leaf.sum() for leaf in pf.tree.leaves(tree)) * scale
+
+    step = pf.jit(total, static_argnums=(1,))
+    t = torch.arange(4.0)
+    assert step({"w": t}, 2.0).item() == 12.0
+    assert step({"w": t}, 2.0).item() == 12.0
+    assert step({"w": {"a": t, "b": t + 1}}, 2.0).item() == 32.0  # a subtree where the leaf was
+    assert step({"w": t, "v": t}, 2.0).item() == 24.0  # an extra key
+    assert step({"w": t, "v": t}, 3.0).item() == 36.0  # another static value
+    assert step({"w": t}, 2.0).item() == 12.0  # back to the first signature: cached
+    assert step.trace_count() == 4

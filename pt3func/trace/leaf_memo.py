@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
 
 Key = Any
@@ -39,12 +40,16 @@ class LeafKeyMemo:
         """Each leaf's key: remembered for a DTensor the last call returned or kept, else read."""
         known = getattr(self._local, "known", None) or {}
         keys = []
+        read = self._leaf_key
         for leaf in leaves:
+            if type(leaf) is torch.Tensor:  # never remembered (see the module's note)
+                keys.append(read(leaf))
+                continue
             hit = known.get(id(leaf))
             if hit is not None and hit[0]() is leaf and type(leaf) is hit[1] and leaf._spec is hit[2]:
                 keys.append(hit[3])
             else:
-                keys.append(self._leaf_key(leaf))
+                keys.append(read(leaf))
         return keys
 
     def last(self) -> tuple[Any, ...] | None:

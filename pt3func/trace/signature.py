@@ -85,6 +85,13 @@ class ArgSpec:
 
 def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any, tuple]:
     """Return `(leaves, treedef, static)` for a call; `static` is hashable and part of the cache key."""
+    dynamic, static = split_static(spec, args, kwargs)
+    leaves, treedef = tree.flatten(dynamic)
+    return leaves, treedef, static
+
+
+def split_static(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple]:
+    """`((dynamic args, dynamic kwargs), static)` of a call: the pytree to flatten, and the static values."""
     if spec.static_argnums:
         static_pos = tuple((i, args[i]) for i in sorted(spec.static_argnums) if i < len(args))
         dyn_args = tuple(a for i, a in enumerate(args) if i not in spec.static_argnums)
@@ -95,14 +102,17 @@ def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in spec.static_argnames}
     else:
         static_kw, dyn_kwargs = (), kwargs
-    leaves, treedef = tree.flatten((dyn_args, dyn_kwargs))
-    return leaves, treedef, (static_pos, static_kw)
+    return (dyn_args, dyn_kwargs), (static_pos, static_kw)
 
 
 def leaf_key(leaf: Any) -> Any:
     """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
     if type(leaf) is torch.Tensor:  # the common case first: this runs for every leaf of every call
-        return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
+        shape = leaf.shape
+        stride = leaf.stride()
+        if 1 in shape:  # as `_layout`, inlined: a plain tensor's key is read for every leaf of every call
+            stride = tuple([0 if size == 1 else st for size, st in zip(shape, stride)])
+        return (shape, leaf.dtype, leaf.device, stride)
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
