@@ -179,6 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--memory-budget", type=float, default=None, help="pf.jit(memory_budget=...): automatic remat")
     p.add_argument(
+        "--no-locality-reorder",
+        action="store_true",
+        help="pf.config.inductor_reorder_for_locality = False (Inductor's pass that sinks each weight gradient, "
+        "and a recomputed value it reads, to the optimizer update at the end of the step)",
+    )
+    p.add_argument(
         "--loss-chunk-mib",
         type=float,
         default=None,
@@ -252,6 +258,8 @@ def pf_config_of(a: argparse.Namespace) -> dict[str, Any]:
         fields["fence_backward_ops"] = True if names == {"all"} else names
     if a.loss_chunk_mib is not None:
         fields["loss_chunk_bytes"] = int(a.loss_chunk_mib * 2**20)
+    if getattr(a, "no_locality_reorder", False):
+        fields["inductor_reorder_for_locality"] = False
     return fields
 
 

@@ -85,5 +85,17 @@ class Config:
     process group lacks the `out=` collectives a bucketed program calls). Also read from
     PT3FUNC_BUCKET_COLLECTIVES; applies to programs compiled after it is set."""
 
+    inductor_reorder_for_locality: bool = field(
+        default_factory=lambda: os.environ.get("PT3FUNC_INDUCTOR_REORDER_FOR_LOCALITY", "1") != "0"
+    )
+    """Inductor's `reorder_for_locality` post-grad pass, for Inductor-compiled programs (on by default, as in
+    Inductor). It moves every node down to just before its first user; in a whole-step program a weight
+    gradient's first user is that weight's optimizer update at the end of the step, so each weight-gradient
+    matmul, and a recomputed value it reads, sinks there: a recomputed GELU then lands more than 64 nodes from
+    its GELU backward, the most apart Inductor fuses (session 9, fusion log on an H200), and costs a kernel of
+    its own. Off: the program keeps pt3func's order (on CPU the recomputed GELU then shares the GELU backward's
+    kernel). Not yet measured on a GPU, hence not the default. Also read from
+    PT3FUNC_INDUCTOR_REORDER_FOR_LOCALITY ("0": off); applies to programs compiled after it is set."""
+
 
 config = Config()

@@ -618,3 +618,27 @@ def test_fence_token_is_a_library_kernel_output_that_reads_no_copy():
     code = next(c for c in codes if "def call(" in c)
     kernels = re.findall(r"^(?:async_compile\.\w+\(|)(\w*fused\w*) = ", code, re.M)
     assert any("gelu_gelu_backward" in k for k in kernels), kernels
+
+
+@pytest.mark.parametrize("reorder", [True, False])
+def test_locality_reorder_option_reaches_inductor_and_keeps_numbers(monkeypatch, reorder):
+    """`pf.config.inductor_reorder_for_locality` is what Inductor compiles with; either way the same numbers."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.reorder_for_locality)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    monkeypatch.setattr(pf.config, "inductor_reorder_for_locality", reorder)
+    policy = pf.checkpoint_policies.save_only_these_names("mlp_in")
+    step_fn, opt = make_step(policy, dropout=0.0, body=mlp_block)
+    losses, params, _ = train(step_fn, opt)
+    assert seen and all(value is reorder for value in seen)
+    ref_losses, ref_params, _ = train(*make_step("none", dropout=0.0, body=mlp_block), backend="eager")
+    for u, v in zip(pf.tree.leaves((losses, params)), pf.tree.leaves((ref_losses, ref_params))):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)

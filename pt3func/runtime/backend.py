@@ -28,7 +28,11 @@ def compile_program(
 
         # fallback_random: Inductor's own RNG would draw different numbers than eager torch; the contract
         # is that a jitted step sees the same random numbers as the same code run eagerly.
-        options = {"fallback_random": True, **(inductor_collective_bucketing() if bucket_collectives(gm) else {})}
+        options = {
+            "fallback_random": True,
+            "reorder_for_locality": bool(config.inductor_reorder_for_locality),
+            **(inductor_collective_bucketing() if bucket_collectives(gm) else {}),
+        }
         if "accumulate_in_place" not in config.disabled_passes:
             gm = accumulate_in_place(gm)  # mutation only here: the passes before Inductor reorder by data flow
         with TRACE_LOCK, inductor_config.patch(options):
