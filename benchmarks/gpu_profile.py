@@ -68,7 +68,13 @@ def profile_steps(step_once: Callable[[], None], n: int = 3, trace_path: str | N
             step_once()
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # Device-side ranges of user annotations (`DistributedDataParallel.forward`, `Optimizer.step#...`) are CUDA
+    # events too, but cover idle time as well as kernels: only kernels, copies and memsets are counted.
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     by_kind: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     comm, compute = [], []
