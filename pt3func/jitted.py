@@ -41,7 +41,7 @@ from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.spmd.partial_sums import reducing_partial_sums
 from pt3func.stages import Compiled, Lowered, Program
 from pt3func.trace import capture
-from pt3func.trace.leaf_memo import LeafKeyMemo
+from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
 from pt3func.trace.signature import (
     SCALAR_TYPES,
     ArgSpec,
@@ -111,15 +111,14 @@ class Jitted:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
             # are taken (`flatten_up_to`: no sorting of dict keys), its DTensor keys are the very objects when it
             # returned those leaves (compared by identity); then its program again, nothing hashed.
-            treedef = last[0]
             try:
-                leaves = treedef.flatten_up_to(dynamic)
+                leaves = last.treedef.flatten_up_to(dynamic)
             except (ValueError, TypeError):  # another structure
                 leaves = None
-            if leaves is not None and last[1] == static:
+            if leaves is not None and last.static == static:
                 leaf_keys = tuple(self._leaf_memo.keys(leaves))
-                if last[2] == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
-                    return last[3], leaves, treedef, static, last[4], leaf_keys
+                if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
+                    return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
         leaves, treedef = tree.flatten(dynamic)
         leaf_keys = tuple(self._leaf_memo.keys(leaves))
         try:
@@ -162,7 +161,7 @@ class Jitted:
             compiled.leaf_stays_valid,
             out_leaves,
             compiled.output_keys(out_leaves),
-            (treedef, static, leaf_keys, key, compiled),
+            LastCall(treedef, static, leaf_keys, key, compiled),
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
 

@@ -21,12 +21,22 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
 Key = Any
+
+
+class LastCall(NamedTuple):
+    """The previous call's signature and the program it ran."""
+
+    treedef: Any
+    static: tuple
+    leaf_keys: tuple
+    key: Any
+    compiled: Any
 
 
 class LeafKeyMemo:
@@ -52,8 +62,8 @@ class LeafKeyMemo:
                 keys.append(read(leaf))
         return keys
 
-    def last(self) -> tuple[Any, ...] | None:
-        """What `remember` was last given as `last` (the previous call's signature and program)."""
+    def last(self) -> LastCall | None:
+        """What `remember` was last given as `last`."""
         return getattr(self._local, "last", None)
 
     def remember(
@@ -63,7 +73,7 @@ class LeafKeyMemo:
         still_valid: Callable[[int], bool],
         outputs: Sequence[Any],
         output_keys: Sequence[Key],
-        last: tuple[Any, ...],
+        last: LastCall,
     ) -> None:
         """After a call: the inputs it left valid and the tensors it returned, with their keys."""
         old = getattr(self._local, "known", None) or {}

@@ -108,11 +108,8 @@ def split_static(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 def leaf_key(leaf: Any) -> Any:
     """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
     if type(leaf) is torch.Tensor:  # the common case first: this runs for every leaf of every call
-        shape = leaf.shape
-        stride = leaf.stride()
-        if 1 in shape:  # as `_layout`, inlined: a plain tensor's key is read for every leaf of every call
-            stride = tuple([0 if size == 1 else st for size, st in zip(shape, stride)])
-        return (shape, leaf.dtype, leaf.device, stride)
+        shape = leaf.shape  # read once: a plain tensor's key is read for every leaf of every call
+        return (shape, leaf.dtype, leaf.device, _layout(leaf, shape))
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
@@ -124,13 +121,14 @@ def leaf_key(leaf: Any) -> Any:
     return ("static", leaf)
 
 
-def _layout(t: torch.Tensor) -> tuple[int, ...]:
+def _layout(t: torch.Tensor, shape: torch.Size | None = None) -> tuple[int, ...]:
     """`t`'s strides, but 0 for every dim of size 1: such a stride never moves an address (PyTorch's contiguity and
     view rules, and Inductor's input asserts, ignore it). A row `[1, n]` split off a `[1, N]` buffer (stride N) and
     a fresh `[1, n]` (stride n) are then one signature, not a second trace and compile of the same program."""
     stride = t.stride()
-    if 1 in t.shape:
-        return tuple([0 if size == 1 else s for size, s in zip(t.shape, stride)])
+    shape = t.shape if shape is None else shape
+    if 1 in shape:
+        return tuple([0 if size == 1 else s for size, s in zip(shape, stride)])
     return stride
 
 
