@@ -150,9 +150,11 @@ class Jitted:
             compiled = lowered.compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled
-        if compiled._switch is not None:  # the exchange guard picks the program: its outputs are not remembered
-            self._leaf_memo.forget()
-            return compiled.run_leaves(leaves)
+        if compiled._switch is not None:  # an exchange guard picks the program
+            if compiled._switch.program is None:  # still in its trials: two programs, the outputs not remembered
+                self._leaf_memo.forget()
+                return compiled.run_leaves(leaves)
+            compiled = compiled._switch.program  # decided: the chosen program runs as any other
         out_leaves = compiled.run_flat(leaves)
         # After the launch (on a GPU this overlaps the step): the signature of the next call's likely leaves.
         self._leaf_memo.remember(
@@ -409,7 +411,7 @@ class Jitted:
             mesh = next((meta.device_mesh for meta in dtensor_in.values()), None)
             lowered._make_switch = functools.partial(
                 ExchangeSwitch, guard, self.name, self.grad_exchange,
-                reference=lambda: reference.compile().run_leaves, device=device, mesh=mesh,
+                reference=reference.compile, device=device, mesh=mesh,
             )
         return lowered
 

@@ -63,7 +63,7 @@ class Lowered:
         self._compiled: Compiled | None = None  # set once compiled (here or by the Jitted's cache)
         # Set by pf.jit where an exchange guard applies (pt3func/compress/guard.py): given this program's
         # run(leaves), the switch that times it against the reference program and runs the one it keeps.
-        self._make_switch: Callable[[Callable[[list[Any]], Any]], Callable[[list[Any]], Any]] | None = None
+        self._make_switch: Callable[[Compiled], Any] | None = None  # an ExchangeSwitch for the compiled program
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -140,7 +140,7 @@ class Lowered:
         programs = [src for src in sources if "def call(" in src]
         self._compiled = Compiled(self, runner, programs[-1] if len(programs) == 1 else None)
         if self._make_switch is not None:
-            self._compiled._switch = self._make_switch(self._compiled._run_leaves)
+            self._compiled._switch = self._make_switch(self._compiled)
             self._make_switch = None  # the switch alone holds the reference program: freed if compression is kept
         return self._compiled
 

@@ -132,6 +132,45 @@ def test_training_equals_running_the_chosen_programs_directly(mesh, kept):
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.parametrize("kept", [True, False])
+def test_decided_program_runs_on_the_fast_path(mesh, kept):
+    # After the trials the chosen program is called as a program without a guard: the leaves a call returned are
+    # remembered (pt3func/trace/leaf_memo.py), so the next call reads only the batch's keys; the numbers are
+    # those of running the chosen programs directly.
+    timer = fake_timer(0.1, 0.1) if kept else fake_timer(0.2, 0.1)
+    guarded = jitted(exchange_guard=C.Guard(reference=C.none(), timer=timer))
+    read_key = guarded._leaf_memo._leaf_key
+    reads = [0]
+
+    def counted(leaf):
+        reads[0] += 1
+        return read_key(leaf)
+
+    guarded._leaf_memo._leaf_key = counted
+    steps, per_call = STEPS + 3, []
+    with pf.set_mesh(mesh):
+        params, state = start()
+        for t in range(steps):
+            before = reads[0]
+            params, state, _ = guarded(params, state, *cc.batch(t))
+            per_call.append(reads[0] - before)
+        got = pf.device_get(params)
+    switch = next(iter(guarded._cache.values()))._switch
+    assert (switch.program is next(iter(guarded._cache.values()))) is kept
+    decided = 8  # calls 0-7 are the trials; call 8 runs the chosen program and remembers its leaves
+    assert per_call[decided + 1:] == [2 * 2] * (steps - decided - 1)  # x and y, on each of the 2 rank threads
+    assert per_call[decided] > 4 * per_call[-1]
+    compressed, reference = jitted(exchange_guard=None), jitted(grad_exchange=None)
+    schedule = [compressed, reference] * 4 + [compressed if kept else reference] * (steps - decided)
+    with pf.set_mesh(mesh):
+        params, state = start()
+        for t, step in enumerate(schedule):
+            params, state, _ = step(params, state, *cc.batch(t))
+        want = pf.device_get(params)
+    for k in cc.NAMES:
+        assert torch.equal(got[k], want[k]), k
+
+
 @pytest.mark.parametrize("layout,donate", [("dp2", True), ("dp2", False), ("fsdp2", True)])
 def test_reference_program_passes_the_exchange_state_through(mesh, layout, donate):
     step = jitted(donate=donate, layout=layout, exchange_guard=C.Guard(timer=fake_timer(0.2, 0.1)))

@@ -198,20 +198,24 @@ def wall_timer(device: torch.device) -> Timer:
 class ExchangeSwitch:
     """Runs the trial calls of one compiled signature, decides, then runs the chosen program.
 
-    `compressed(leaves)` runs the compressed program; `reference()` compiles the reference program (on its first
-    call, which is its warm-up) and returns its `run(leaves)`. `mesh` (a DeviceMesh, or None for one process)
-    is where the ranks' timings are combined.
+    `compressed` is the compressed program's `Compiled` (run through its `_run_leaves`, which bypasses this
+    switch); `reference()` compiles the reference program (on its first call, which is its warm-up) and returns
+    its `Compiled`. `mesh` (a DeviceMesh, or None for one process) is where the ranks' timings are combined.
+    After the decision `program` is the `Compiled` that runs from now on, so that `Jitted` can call it on its
+    fast path (remembered leaves, `run_flat`) as it calls any program without a guard.
     """
 
     def __init__(
-        self, guard: Guard, name: str, fmt: Format, compressed: Callable[[list[Any]], Any],
+        self, guard: Guard, name: str, fmt: Format, compressed: Any,
         reference: Callable[[], Any], device: torch.device, mesh: Any,
     ) -> None:
         self.guard = guard
         self.name = name
         self.format = fmt
-        self._compressed = compressed
+        self._compressed_program = compressed
+        self._compressed: Callable[[list[Any]], Any] = compressed._run_leaves
         self._compile_reference: Callable[[], Any] | None = reference
+        self._reference_compiled: Any = None
         self._reference: Callable[[list[Any]], Any] | None = None
         self._device = device
         self._mesh = mesh
@@ -221,6 +225,7 @@ class ExchangeSwitch:
         self._calls = 0
         self._times: dict[str, list[float]] = {COMPRESSED: [], REFERENCE: []}
         self.decision: ExchangeDecision | None = None
+        self.program: Any = None  # the chosen Compiled, once decided
         self._chosen: Callable[[list[Any]], Any] | None = None
 
     def __call__(self, leaves: list[Any]) -> Any:
@@ -240,7 +245,8 @@ class ExchangeSwitch:
 
     def _reference_program(self) -> Callable[[list[Any]], Any]:
         if self._reference is None:
-            self._reference = self._compile_reference()
+            self._reference_compiled = self._compile_reference()
+            self._reference = self._reference_compiled._run_leaves
             self._compile_reference = None
         return self._reference
 
@@ -274,8 +280,9 @@ class ExchangeSwitch:
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.log(logging.INFO if kept else logging.WARNING, reason)
         self._chosen = self._compressed if kept else self._reference
+        self.program = self._compressed_program if kept else self._reference_compiled
         if kept:  # the reference program is no longer referenced: its compiled code (and CUDA graph) can go
-            self._reference = None
+            self._reference = self._reference_compiled = None
 
     def _slowest_rank(self, values: list[float]) -> list[float]:
         """`values` maximised over every rank of the mesh: one all-reduce per mesh axis (a row then a column of a
