@@ -54,6 +54,15 @@ PART_A = {
     # GELU alone recomputed, the bf16 weight casts kept (see lm_step.py's "gelu_only").
     "pt3func, recompute only GELU + CUDA graphs": ["--policy", "gelu_only", "--cuda-graphs"],
     "pt3func, memory_budget 0.9": ["--memory-budget", "0.9"],
+    # Inductor's reorder_for_locality off (pf.config.inductor_reorder_for_locality): the recomputed GELU is no
+    # longer sunk to the optimizer's update at the end of the step, away from the matmul that reads it.
+    "pt3func + CUDA graphs, no locality reorder": ["--cuda-graphs", "--no-locality-reorder"],
+    "pt3func, recompute GELU + CUDA graphs, no locality reorder": [
+        "--policy", "recompute_gelu", "--cuda-graphs", "--no-locality-reorder"
+    ],
+    "pt3func, recompute GELU in 6 of 12 blocks + CUDA graphs, no locality reorder": [
+        "--policy", "recompute_gelu", "--remat-blocks", "6", "--cuda-graphs", "--no-locality-reorder"
+    ],
     # Selective remat: GELU recomputed in only some blocks, trading part of the memory for part of the time.
     **{
         f"pt3func, recompute GELU in {n} of 12 blocks + CUDA graphs": [
