@@ -3,6 +3,8 @@
 - `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
 - Group normalisation, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded
   inputs: run on each rank's own samples (`per_sample.py`).
+- `F.dropout`, `torch.rand_like` and `torch.randn_like` on split values: each rank keeps its block of the
+  single-device draw (`random_ops.py`).
 - `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
   inside the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on
   the dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached
@@ -21,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
+from pt3func.spmd.random_ops import RANDOM_LIKE, dropout, random_like
 from pt3func.spmd.vocab_embedding import lookup
 
 
@@ -41,6 +44,14 @@ class ShardedTraceOverrides(TorchFunctionMode):
             local = group_norm_locally(args, kwargs)
             if local is not None:
                 return local
+        elif func is F.dropout:
+            drawn = dropout(args, kwargs)
+            if drawn is not None:
+                return drawn
+        elif func in RANDOM_LIKE:
+            drawn = random_like(func, args, kwargs)
+            if drawn is not None:
+                return drawn
         elif func in RECURRENT:
             local = run_locally(func, args) if not kwargs else None
             if local is not None:

@@ -1,0 +1,103 @@
+"""Random draws on sharded values: each rank keeps its block of the draw one device would make.
+
+DTensor runs a random op on each rank's local block with that rank's generator. On a CPU mesh nothing sets the
+ranks apart, so ranks seeded alike draw the same numbers for different blocks: every rank of a data parallel
+step drops the same positions of its own examples, and the step is not the single-device step. While a sharded
+step is traced (`spmd/overrides.py`) the draws below are made over the value's global shape instead, from the
+rank's own generator, exactly as one device would make them, and each rank keeps its block:
+
+- `F.dropout` (so `nn.Dropout`) in training: the mask of `F.dropout` on the whole value. Where torch's dropout
+  takes the fused kernel (CUDA, 0 < p < 1) the mask comes from `native_dropout` and the output from
+  `native_dropout_backward(x, mask, 1 / (1 - p))`, that kernel's own arithmetic; elsewhere from the scaled
+  Bernoulli noise `F.dropout` multiplies by. The backward is the single-device one.
+- `torch.rand_like` / `torch.randn_like`.
+
+Every rank draws the whole value's numbers (N times its own block's, transiently), so that the random streams of
+all ranks stay in step with the single-device run's: every rank's generator advances as one device's does. Ranks
+must be seeded alike (`torch.manual_seed` with one seed everywhere), as for any replicated draw. Values that are
+replicated, partial sums, or split unevenly / in strides (`_StridedShard`) keep DTensor's own behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+from pt3func._compat import is_plain_shard
+
+_FUSED_DROPOUT_DEVICES = ("cuda", "xpu")  # where torch's dropout takes native_dropout (at::dropout)
+
+
+def _block(t: DTensor) -> tuple[slice, ...] | None:
+    """The slices of the global value that `t`'s rank holds; None where pt3func leaves the draw to DTensor."""
+    placements = t.placements
+    if not any(isinstance(p, Shard) for p in placements):
+        return None  # replicated: every rank draws the whole value already
+    if any(not (is_plain_shard(p) or p.is_replicate()) for p in placements):
+        return None  # partial sums, strided shards
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    # Plain ints from the mesh (DTensor's compute_local_shape_and_global_offset computes with tensors, which a
+    # trace cannot specialise). Mesh dims split in order, each one the block the earlier ones left.
+    size, offset = list(t.shape), [0] * t.ndim
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = mesh.size(mesh_dim)
+            if size[p.dim] % n:
+                return None  # uneven (pt3func refuses such specs; DTensor's own layout otherwise)
+            size[p.dim] //= n
+            offset[p.dim] += coordinate[mesh_dim] * size[p.dim]
+    if size != list(t._local_tensor.shape):
+        return None
+    return tuple(slice(o, o + n) for o, n in zip(offset, size))
+
+
+def _like(t: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def dropout(args: tuple, kwargs: dict) -> Any:
+    """`F.dropout(input, p, training, inplace)` on a split DTensor, or None (not one: run as called)."""
+    names = ("input", "p", "training", "inplace")
+    bound = dict(zip(names, args)) | kwargs
+    x, p = bound.get("input"), float(bound.get("p", 0.5))
+    training, inplace = bound.get("training", True), bound.get("inplace", False)
+    if not isinstance(x, DTensor) or not training or p == 0.0 or x.numel() == 0:
+        return None
+    block = _block(x)
+    if block is None:
+        return None
+    local = x.to_local()
+    whole = torch.ones(x.shape, dtype=local.dtype, device=local.device)
+    if local.device.type in _FUSED_DROPOUT_DEVICES and 0.0 < p < 1.0:
+        _, mask = torch.native_dropout(whole, p, True)
+        out = torch.ops.aten.native_dropout_backward(local, mask[block], 1.0 / (1.0 - p))
+    else:
+        out = local * F.dropout(whole, p, True)[block]
+    result = _like(x, out)
+    return x.copy_(result) if inplace else result
+
+
+def random_like(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """`torch.rand_like(x, ...)` / `torch.randn_like(x, ...)` on a split DTensor, or None."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, DTensor) or kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return None
+    block = _block(x)
+    if block is None:
+        return None
+    options = {k: v for k, v in kwargs.items() if k in ("dtype", "layout", "device", "requires_grad")}
+    local = x._local_tensor
+    options.setdefault("dtype", local.dtype)
+    options.setdefault("device", local.device)
+    whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
+    return _like(x, func(whole, **options)[block])
+
+
+RANDOM_LIKE = (torch.rand_like, torch.randn_like)

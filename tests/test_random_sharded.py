@@ -1,0 +1,60 @@
+"""Dropout and `rand_like` / `randn_like` in sharded steps draw what one device draws (pt3func/spmd/random_ops.py).
+
+Each rank draws over the whole value, from its own generator (seeded alike on every rank), and keeps its block:
+the sharded step's losses and parameters equal the single-device step's, on real gloo worlds of 2 and 4 ranks, for
+values split along the batch (dp, FSDP), along features (tp) and along both (dp x tp). Before, every rank drew
+the same numbers for its own block, and these runs differed from one device's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import random_cases as rc
+import torch
+import torch.nn.functional as F
+from dist import run_world
+from torch.distributed.tensor import DTensor
+
+import pt3func as pf
+from pt3func import P
+from pt3func.spmd.random_ops import dropout
+
+
+def _check(got: tuple[dict, list[float]], want: tuple[dict, list[float]], label: str) -> None:
+    params, losses = got
+    assert losses == pytest.approx(want[1], rel=1e-5, abs=1e-6), label
+    for k, v in want[0].items():
+        assert torch.allclose(params[k], v, rtol=1e-5, atol=1e-6), f"{label}: {k}"
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_sharded_random_draws_equal_one_device_on_4_ranks(backend):
+    want = rc.run_single(backend)
+    names = ["dp4", "tp4", "dp_tp"]
+    for rank, results in enumerate(run_world(4, rc.run_sharded, names, backend)):
+        for name in names:
+            _check(results[name], want, f"{name} rank {rank}")
+
+
+def test_sharded_random_draws_equal_one_device_on_2_ranks():
+    want = rc.run_single("eager")
+    names = ["dp2", "fsdp2"]
+    for rank, results in enumerate(run_world(2, rc.run_sharded, names, "eager")):
+        for name in names:
+            _check(results[name], want, f"{name} rank {rank}")
+
+
+def test_blocks_of_one_draw_and_what_is_left_to_dtensor():
+    # One rank's view: on a 1-rank mesh a split value is its whole self, so the override draws exactly the
+    # single-device numbers; replicated values and evaluation mode are left alone (None: run as called).
+    x = torch.randn(6, 4)
+    with pf.set_mesh(pf.make_mesh((1,), ("dp",))):
+        split, whole = pf.device_put(x, P("dp")), pf.device_put(x, P())
+    torch.manual_seed(0)
+    want = F.dropout(x, 0.5, True)
+    torch.manual_seed(0)
+    got = dropout((split, 0.5, True), {})
+    assert isinstance(got, DTensor) and torch.equal(got.full_tensor(), want)
+    assert dropout((whole, 0.5, True), {}) is None
+    assert dropout((split,), {"p": 0.5, "training": False}) is None
+    assert dropout((split, 0.0), {}) is None
