@@ -75,3 +75,32 @@ def run_sharded(rank: int, world: int, names: list[str], backend: str) -> dict:
                 losses.append(float(pf.device_get(loss)))
             results[name] = (pf.device_get(params), losses)
     return results
+
+
+def dropout2d_step(x):
+    a = F.dropout(x, 0.5, True)
+    return F.dropout2d(a.reshape(8, 2, 2), 0.5, True).sum()
+
+
+def rank_checks(rank: int, world: int) -> dict:
+    """One rank's view of the override (`random_ops.dropout` called directly) and of the warning for a random
+    function it does not redraw."""
+    import warnings
+
+    from pt3func.spmd.random_ops import dropout
+
+    mesh = pf.make_mesh((world,), ("dp",))
+    x = torch.randn(6 * world, 4, generator=torch.Generator().manual_seed(3))
+    with pf.set_mesh(mesh):
+        split, whole = pf.device_put(x, P("dp")), pf.device_put(x, P())
+        torch.manual_seed(0)
+        block = dropout((split, 0.5, True), {}).to_local()
+        left_alone = [dropout((whole, 0.5, True), {}), dropout((split,), {"p": 0.5, "training": False}),
+                      dropout((split, 0.0), {})]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pf.jit(dropout2d_step, in_shardings=(P("dp"),), backend="eager")(x[:8])
+    return {
+        "x": x, "block": block, "left_alone": left_alone,
+        "warnings": [str(w.message) for w in caught if "on a value split over the mesh" in str(w.message)],
+    }

@@ -13,11 +13,6 @@ import random_cases as rc
 import torch
 import torch.nn.functional as F
 from dist import run_world
-from torch.distributed.tensor import DTensor
-
-import pt3func as pf
-from pt3func import P
-from pt3func.spmd.random_ops import dropout
 
 
 def _check(got: tuple[dict, list[float]], want: tuple[dict, list[float]], label: str) -> None:
@@ -44,17 +39,17 @@ def test_sharded_random_draws_equal_one_device_on_2_ranks():
             _check(results[name], want, f"{name} rank {rank}")
 
 
-def test_blocks_of_one_draw_and_what_is_left_to_dtensor():
-    # One rank's view: on a 1-rank mesh a split value is its whole self, so the override draws exactly the
-    # single-device numbers; replicated values and evaluation mode are left alone (None: run as called).
-    x = torch.randn(6, 4)
-    with pf.set_mesh(pf.make_mesh((1,), ("dp",))):
-        split, whole = pf.device_put(x, P("dp")), pf.device_put(x, P())
+def test_blocks_of_one_draw_what_is_left_alone_and_what_warns():
+    # Each rank's dropout output is its block of the single-device draw; replicated values, evaluation mode and
+    # p = 0 are left as called (None). Channel dropout is not redrawn: the trace warns, naming the function and
+    # the user's line, and the covered F.dropout beside it says nothing.
+    results = run_world(2, rc.rank_checks)
+    x = results[0]["x"]
     torch.manual_seed(0)
     want = F.dropout(x, 0.5, True)
-    torch.manual_seed(0)
-    got = dropout((split, 0.5, True), {})
-    assert isinstance(got, DTensor) and torch.equal(got.full_tensor(), want)
-    assert dropout((whole, 0.5, True), {}) is None
-    assert dropout((split,), {"p": 0.5, "training": False}) is None
-    assert dropout((split, 0.0), {}) is None
+    assert torch.equal(torch.cat([r["block"] for r in results]), want)
+    for r in results:
+        assert r["left_alone"] == [None, None, None]
+        messages = r["warnings"]
+        assert messages and all(m.startswith("dropout2d on a value split over the mesh") for m in messages)
+        assert "random_cases.py" in messages[0] and "F.dropout2d(a.reshape(8, 2, 2)" in messages[0]

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
-from pt3func.spmd.random_ops import RANDOM_LIKE, dropout, random_like
+from pt3func.spmd.random_ops import RANDOM_LIKE, UNCOVERED, dropout, random_like, warn_uncovered
 from pt3func.spmd.vocab_embedding import lookup
 
 
@@ -57,10 +57,13 @@ class ShardedTraceOverrides(TorchFunctionMode):
             if local is not None:
                 return local
         elif func is F.scaled_dot_product_attention:
+            warn_uncovered(func, args, kwargs)
             mask = kwargs.get("attn_mask")
             query = args[0] if args else kwargs.get("query")
             if isinstance(query, DTensor) and mask is not None and not isinstance(mask, DTensor):
                 kwargs = dict(kwargs, attn_mask=_mask_like(mask, query))
+        elif func in UNCOVERED:
+            warn_uncovered(func, args, kwargs)
         return func(*args, **kwargs)
 
 

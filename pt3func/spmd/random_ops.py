@@ -16,10 +16,15 @@ Every rank draws the whole value's numbers (N times its own block's, transiently
 all ranks stay in step with the single-device run's: every rank's generator advances as one device's does. Ranks
 must be seeded alike (`torch.manual_seed` with one seed everywhere), as for any replicated draw. Values that are
 replicated, partial sums, or split unevenly / in strides (`_StridedShard`) keep DTensor's own behaviour.
+
+Other random functions on a split value (`UNCOVERED`, attention's own dropout) run as DTensor runs them, and
+`warn_uncovered` says so once per function and source line: their numbers are not the single-device run's.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from pt3func._compat import is_plain_shard
+from pt3func.trace.source import describe, is_user_file
 
 _FUSED_DROPOUT_DEVICES = ("cuda", "xpu")  # where torch's dropout takes native_dropout (at::dropout)
 
@@ -101,3 +107,47 @@ def random_like(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 RANDOM_LIKE = (torch.rand_like, torch.randn_like)
+
+
+Tensor = torch.Tensor
+UNCOVERED = frozenset({
+    torch.bernoulli, Tensor.bernoulli, Tensor.bernoulli_, Tensor.uniform_, Tensor.normal_, Tensor.random_,
+    Tensor.exponential_, Tensor.geometric_, Tensor.cauchy_, Tensor.log_normal_, torch.randint_like, torch.normal,
+    torch.poisson, torch.multinomial, torch.rrelu, F.rrelu, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+    F.feature_alpha_dropout,
+})
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_uncovered(func: Callable, args: tuple, kwargs: dict) -> None:
+    """Warn (once per function and source line) where a random function pt3func does not redraw meets a split
+    value: every rank draws its block's numbers alone, and ranks seeded alike draw the same ones."""
+    name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+    if func is F.scaled_dot_product_attention:
+        dropout_p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        if not dropout_p:
+            return
+        name = f"scaled_dot_product_attention(dropout_p={dropout_p})"
+    elif func not in UNCOVERED:
+        return
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if not (isinstance(first, DTensor) and _block(first) is not None):
+        return
+    where = _user_line()
+    if (name, where) in _warned:
+        return
+    _warned.add((name, where))
+    warnings.warn(
+        f"{name} on a value split over the mesh ({where}, placements {tuple(first.placements)}): pt3func does not "
+        "redraw it over the whole value, so every rank draws its own block's numbers and ranks seeded alike draw "
+        "the same ones; the step's numbers differ from one device's. Covered: F.dropout, torch.rand_like, "
+        "torch.randn_like (README, 'Random draws on split values').",
+        stacklevel=2,
+    )
+
+
+def _user_line() -> str:
+    frame = sys._getframe(1)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return "unknown line" if frame is None else describe(frame.f_code.co_filename, frame.f_lineno)
