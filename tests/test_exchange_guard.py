@@ -121,15 +121,21 @@ def test_training_equals_running_the_chosen_programs_directly(mesh, kept):
     guarded = jitted(exchange_guard=C.Guard(reference=C.none(), timer=timer))
     got, _ = train(mesh, guarded)
     assert guarded.exchange_decision().kept is kept
+    want = run_chosen_programs_directly(mesh, kept, STEPS)
+    for k in cc.NAMES:
+        assert torch.equal(got[k], want[k]), k
+
+
+def run_chosen_programs_directly(mesh, kept, steps):
+    """The final params of the guard's schedule (4 pairs of trial calls, then the chosen program) run with the
+    compressed and reference programs jitted apart, without a guard."""
     compressed, reference = jitted(exchange_guard=None), jitted(grad_exchange=None)
-    schedule = [compressed, reference] * 4 + [compressed if kept else reference] * 2
+    schedule = [compressed, reference] * 4 + [compressed if kept else reference] * (steps - 8)
     with pf.set_mesh(mesh):
         params, state = start()
         for t, step in enumerate(schedule):
             params, state, _ = step(params, state, *cc.batch(t))
-        want = pf.device_get(params)
-    for k in cc.NAMES:
-        assert torch.equal(got[k], want[k]), k
+        return pf.device_get(params)
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -160,13 +166,7 @@ def test_decided_program_runs_on_the_fast_path(mesh, kept):
     decided = 8  # calls 0-7 are the trials; call 8 runs the chosen program and remembers its leaves
     assert per_call[decided + 1:] == [2 * 2] * (steps - decided - 1)  # x and y, on each of the 2 rank threads
     assert per_call[decided] > 4 * per_call[-1]
-    compressed, reference = jitted(exchange_guard=None), jitted(grad_exchange=None)
-    schedule = [compressed, reference] * 4 + [compressed if kept else reference] * (steps - decided)
-    with pf.set_mesh(mesh):
-        params, state = start()
-        for t, step in enumerate(schedule):
-            params, state, _ = step(params, state, *cc.batch(t))
-        want = pf.device_get(params)
+    want = run_chosen_programs_directly(mesh, kept, steps)
     for k in cc.NAMES:
         assert torch.equal(got[k], want[k]), k
 
