@@ -2,7 +2,8 @@
 
 DTensor runs a random op on each rank's local block with that rank's generator. On a CPU mesh nothing sets the
 ranks apart, so ranks seeded alike draw the same numbers for different blocks: every rank of a data parallel
-step drops the same positions of its own examples, and the step is not the single-device step. While a sharded
+step drops the same positions of its own examples, and the step is not the single-device step (on CUDA DTensor's
+RNG tracker sets ranks apart by Philox offsets, its own scheme rather than one device's draw). While a sharded
 step is traced (`spmd/overrides.py`) the draws below are made over the value's global shape instead, from the
 rank's own generator, exactly as one device would make them, and each rank keeps its block:
 
@@ -100,8 +101,6 @@ def random_like(func: Callable, args: tuple, kwargs: dict) -> Any:
         return None
     options = {k: v for k, v in kwargs.items() if k in ("dtype", "layout", "device", "requires_grad")}
     local = x._local_tensor
-    options.setdefault("dtype", local.dtype)
-    options.setdefault("device", local.device)
     whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
     return _like(x, func(whole, **options)[block])
 
@@ -109,10 +108,10 @@ def random_like(func: Callable, args: tuple, kwargs: dict) -> Any:
 RANDOM_LIKE = (torch.rand_like, torch.randn_like)
 
 
-Tensor = torch.Tensor
+_T = torch.Tensor
 UNCOVERED = frozenset({
-    torch.bernoulli, Tensor.bernoulli, Tensor.bernoulli_, Tensor.uniform_, Tensor.normal_, Tensor.random_,
-    Tensor.exponential_, Tensor.geometric_, Tensor.cauchy_, Tensor.log_normal_, torch.randint_like, torch.normal,
+    torch.bernoulli, _T.bernoulli, _T.bernoulli_, _T.uniform_, _T.normal_, _T.random_, _T.exponential_,
+    _T.geometric_, _T.cauchy_, _T.log_normal_, torch.randint_like, torch.normal,
     torch.poisson, torch.multinomial, torch.rrelu, F.rrelu, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
     F.feature_alpha_dropout,
 })
