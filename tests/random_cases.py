@@ -26,6 +26,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def loss_fn(params, x, y):
     h = torch.tanh(x @ params["w1"])
     h = F.dropout(h, 0.3, training=True)
+    h = F.dropout2d(h.reshape(8, 4, 8, 1), 0.25, training=True).reshape(8, 32)  # 4 channels of 8 features
     h = h + 0.05 * torch.randn_like(h) + 0.05 * (torch.rand_like(h) - 0.5)
     return ((h @ params["w2"] - y) ** 2).mean()
 
@@ -77,9 +78,9 @@ def run_sharded(rank: int, world: int, names: list[str], backend: str) -> dict:
     return results
 
 
-def dropout2d_step(x):
+def alpha_dropout_step(x):
     a = F.dropout(x, 0.5, True)
-    return F.dropout2d(a.reshape(8, 2, 2), 0.5, True).sum()
+    return F.alpha_dropout(a, 0.5, True).sum()
 
 
 def rank_checks(rank: int, world: int) -> dict:
@@ -94,12 +95,12 @@ def rank_checks(rank: int, world: int) -> dict:
     with pf.set_mesh(mesh):
         split, whole = pf.device_put(x, P("dp")), pf.device_put(x, P())
         torch.manual_seed(0)
-        block = dropout((split, 0.5, True), {}).to_local()
-        left_alone = [dropout((whole, 0.5, True), {}), dropout((split,), {"p": 0.5, "training": False}),
-                      dropout((split, 0.0), {})]
+        block = dropout(F.dropout, (split, 0.5, True), {}).to_local()
+        left_alone = [dropout(F.dropout, (whole, 0.5, True), {}),
+                      dropout(F.dropout, (split,), {"p": 0.5, "training": False}), dropout(F.dropout, (split, 0.0), {})]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pf.jit(dropout2d_step, in_shardings=(P("dp"),), backend="eager")(x[:8])
+            pf.jit(alpha_dropout_step, in_shardings=(P("dp"),), backend="eager")(x[:8])
     return {
         "x": x, "block": block, "left_alone": left_alone,
         "warnings": [str(w.message) for w in caught if "on a value split over the mesh" in str(w.message)],

@@ -1,4 +1,5 @@
-"""Dropout and `rand_like` / `randn_like` in sharded steps draw what one device draws (pt3func/spmd/random_ops.py).
+"""Dropout (plain and channel), `rand_like` and `randn_like` in sharded steps draw what one device draws
+(pt3func/spmd/random_ops.py).
 
 Each rank draws over the whole value, from its own generator (seeded alike on every rank), and keeps its block:
 the sharded step's losses and parameters equal the single-device step's, on real gloo worlds of 2 and 4 ranks, for
@@ -41,7 +42,7 @@ def test_sharded_random_draws_equal_one_device_on_2_ranks():
 
 def test_blocks_of_one_draw_what_is_left_alone_and_what_warns():
     # Each rank's dropout output is its block of the single-device draw; replicated values, evaluation mode and
-    # p = 0 are left as called (None). Channel dropout is not redrawn: the trace warns, naming the function and
+    # p = 0 are left as called (None). Alpha dropout is not redrawn: the trace warns, naming the function and
     # the user's line, and the covered F.dropout beside it says nothing.
     results = run_world(2, rc.rank_checks)
     x = results[0]["x"]
@@ -51,5 +52,5 @@ def test_blocks_of_one_draw_what_is_left_alone_and_what_warns():
     for r in results:
         assert r["left_alone"] == [None, None, None]
         messages = r["warnings"]
-        assert messages and all(m.startswith("dropout2d on a value split over the mesh") for m in messages)
-        assert "random_cases.py" in messages[0] and "F.dropout2d(a.reshape(8, 2, 2)" in messages[0]
+        assert messages and all(m.startswith("alpha_dropout on a value split over the mesh") for m in messages)
+        assert "random_cases.py" in messages[0] and "F.alpha_dropout(a, 0.5, True)" in messages[0]

@@ -7,10 +7,11 @@ RNG tracker sets ranks apart by Philox offsets, its own scheme rather than one d
 step is traced (`spmd/overrides.py`) the draws below are made over the value's global shape instead, from the
 rank's own generator, exactly as one device would make them, and each rank keeps its block:
 
-- `F.dropout` (so `nn.Dropout`) in training: the mask of `F.dropout` on the whole value. Where torch's dropout
-  takes the fused kernel (CUDA, 0 < p < 1) the mask comes from `native_dropout` and the output from
-  `native_dropout_backward(x, mask, 1 / (1 - p))`, that kernel's own arithmetic; elsewhere from the scaled
-  Bernoulli noise `F.dropout` multiplies by. The backward is the single-device one.
+- `F.dropout` (so `nn.Dropout`) and the channel dropouts `F.dropout1d / 2d / 3d` in training. Each multiplies
+  its input by scaled Bernoulli noise, so the function applied to ones of the whole value's shape is that noise,
+  broadcast, and each rank multiplies its block by the noise's block (the same products as one device's). Where
+  torch's `F.dropout` takes the fused kernel (CUDA, 0 < p < 1) the mask comes from `native_dropout` and the
+  output from `native_dropout_backward(x, mask, 1 / (1 - p))`, that kernel's own arithmetic.
 - `torch.rand_like` / `torch.randn_like`.
 
 Every rank draws the whole value's numbers (N times its own block's, transiently), so that the random streams of
@@ -69,8 +70,12 @@ def _like(t: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
-def dropout(args: tuple, kwargs: dict) -> Any:
-    """`F.dropout(input, p, training, inplace)` on a split DTensor, or None (not one: run as called)."""
+DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d)
+
+
+def dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """`func(input, p, training, inplace)`, one of `DROPOUTS`, on a split DTensor, or None (not one: run as
+    called)."""
     names = ("input", "p", "training", "inplace")
     bound = dict(zip(names, args)) | kwargs
     x, p = bound.get("input"), float(bound.get("p", 0.5))
@@ -82,11 +87,11 @@ def dropout(args: tuple, kwargs: dict) -> Any:
         return None
     local = x.to_local()
     whole = torch.ones(x.shape, dtype=local.dtype, device=local.device)
-    if local.device.type in _FUSED_DROPOUT_DEVICES and 0.0 < p < 1.0:
+    if func is F.dropout and local.device.type in _FUSED_DROPOUT_DEVICES and 0.0 < p < 1.0:
         _, mask = torch.native_dropout(whole, p, True)
         out = torch.ops.aten.native_dropout_backward(local, mask[block], 1.0 / (1.0 - p))
     else:
-        out = local * F.dropout(whole, p, True)[block]
+        out = local * func(whole, p, True)[block]
     result = _like(x, out)
     return x.copy_(result) if inplace else result
 
@@ -112,8 +117,7 @@ _T = torch.Tensor
 UNCOVERED = frozenset({
     torch.bernoulli, _T.bernoulli, _T.bernoulli_, _T.uniform_, _T.normal_, _T.random_, _T.exponential_,
     _T.geometric_, _T.cauchy_, _T.log_normal_, torch.randint_like, torch.normal,
-    torch.poisson, torch.multinomial, torch.rrelu, F.rrelu, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-    F.feature_alpha_dropout,
+    torch.poisson, torch.multinomial, torch.rrelu, F.rrelu, F.alpha_dropout, F.feature_alpha_dropout,
 })
 _warned: set[tuple[str, str]] = set()
 
@@ -139,8 +143,8 @@ def warn_uncovered(func: Callable, args: tuple, kwargs: dict) -> None:
     warnings.warn(
         f"{name} on a value split over the mesh ({where}, placements {tuple(first.placements)}): pt3func does not "
         "redraw it over the whole value, so every rank draws its own block's numbers and ranks seeded alike draw "
-        "the same ones; the step's numbers differ from one device's. Covered: F.dropout, torch.rand_like, "
-        "torch.randn_like (README, 'Random draws on split values').",
+        "the same ones; the step's numbers differ from one device's. Covered: F.dropout, F.dropout1d / 2d / 3d, "
+        "torch.rand_like, torch.randn_like (README, 'Random draws on split values').",
         stacklevel=2,
     )
 
