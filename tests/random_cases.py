@@ -28,6 +28,7 @@ def loss_fn(params, x, y):
     h = F.dropout(h, 0.3, training=True)
     h = F.dropout2d(h.reshape(8, 4, 8, 1), 0.25, training=True).reshape(8, 32)  # 4 channels of 8 features
     h = h + 0.05 * torch.randn_like(h) + 0.05 * (torch.rand_like(h) - 0.5)
+    h = h + 0.05 * torch.empty_like(h).uniform_(-1, 1) * torch.empty_like(h).bernoulli_(0.5)
     return ((h @ params["w2"] - y) ** 2).mean()
 
 

@@ -3,8 +3,8 @@
 - `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
 - Group normalisation, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded
   inputs: run on each rank's own samples (`per_sample.py`).
-- `F.dropout` (and `dropout1d / 2d / 3d`), `torch.rand_like` and `torch.randn_like` on split values: each rank
-  keeps its block of the single-device draw (`random_ops.py`).
+- `F.dropout` (and `dropout1d / 2d / 3d`), `torch.rand_like`, `torch.randn_like` and in-place random fills on
+  split values: each rank keeps its block of the single-device draw (`random_ops.py`).
 - `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
   inside the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on
   the dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached
@@ -23,7 +23,16 @@ from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
-from pt3func.spmd.random_ops import DROPOUTS, RANDOM_LIKE, UNCOVERED, dropout, random_like, warn_uncovered
+from pt3func.spmd.random_ops import (
+    DROPOUTS,
+    FILLS,
+    RANDOM_LIKE,
+    UNCOVERED,
+    dropout,
+    fill,
+    random_like,
+    warn_uncovered,
+)
 from pt3func.spmd.vocab_embedding import lookup
 
 
@@ -52,6 +61,11 @@ class ShardedTraceOverrides(TorchFunctionMode):
             drawn = random_like(func, args, kwargs)
             if drawn is not None:
                 return drawn
+        elif func in FILLS:
+            drawn = fill(func, args, kwargs)
+            if drawn is not None:
+                return drawn
+            warn_uncovered(func, args, kwargs)
         elif func in RECURRENT:
             local = run_locally(func, args) if not kwargs else None
             if local is not None:

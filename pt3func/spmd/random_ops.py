@@ -12,7 +12,9 @@ rank's own generator, exactly as one device would make them, and each rank keeps
   broadcast, and each rank multiplies its block by the noise's block (the same products as one device's). Where
   torch's `F.dropout` takes the fused kernel (CUDA, 0 < p < 1) the mask comes from `native_dropout` and the
   output from `native_dropout_backward(x, mask, 1 / (1 - p))`, that kernel's own arithmetic.
-- `torch.rand_like` / `torch.randn_like`.
+- `torch.rand_like` / `torch.randn_like`, and the in-place fills `uniform_`, `normal_`, `bernoulli_(p)` (a number
+  p), `exponential_`, `geometric_`, `cauchy_`, `log_normal_`, `random_` (`torch.empty_like(h).uniform_(-1, 1)`):
+  the fill of an empty tensor of the whole shape, the rank's block copied in.
 
 Every rank draws the whole value's numbers (N times its own block's, transiently), so that the random streams of
 all ranks stay in step with the single-device run's: every rank's generator advances as one device's does. Ranks
@@ -112,11 +114,29 @@ def random_like(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 RANDOM_LIKE = (torch.rand_like, torch.randn_like)
 
-
 _T = torch.Tensor
+FILLS = frozenset({
+    _T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.geometric_, _T.cauchy_, _T.log_normal_, _T.random_,
+})
+
+
+def fill(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """`x.uniform_(...)` and the other in-place `FILLS` on a split DTensor, with numbers (not tensors) for their
+    parameters, or None."""
+    x = args[0] if args else None
+    if not isinstance(x, DTensor) or any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+        return None
+    block = _block(x)
+    if block is None:
+        return None
+    local = x._local_tensor
+    whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
+    func(whole, *args[1:], **kwargs)
+    return x.copy_(_like(x, whole[block]))
+
+
 UNCOVERED = frozenset({
-    torch.bernoulli, _T.bernoulli, _T.bernoulli_, _T.uniform_, _T.normal_, _T.random_, _T.exponential_,
-    _T.geometric_, _T.cauchy_, _T.log_normal_, torch.randint_like, torch.normal,
+    torch.bernoulli, _T.bernoulli, torch.randint_like, torch.normal,
     torch.poisson, torch.multinomial, torch.rrelu, F.rrelu, F.alpha_dropout, F.feature_alpha_dropout,
 })
 _warned: set[tuple[str, str]] = set()
@@ -131,7 +151,7 @@ def warn_uncovered(func: Callable, args: tuple, kwargs: dict) -> None:
         if not dropout_p:
             return
         name = f"scaled_dot_product_attention(dropout_p={dropout_p})"
-    elif func not in UNCOVERED:
+    elif func not in UNCOVERED and func not in FILLS:  # (a fill with a tensor parameter is not redrawn)
         return
     first = args[0] if args else next(iter(kwargs.values()), None)
     if not (isinstance(first, DTensor) and _block(first) is not None):
@@ -144,7 +164,8 @@ def warn_uncovered(func: Callable, args: tuple, kwargs: dict) -> None:
         f"{name} on a value split over the mesh ({where}, placements {tuple(first.placements)}): pt3func does not "
         "redraw it over the whole value, so every rank draws its own block's numbers and ranks seeded alike draw "
         "the same ones; the step's numbers differ from one device's. Covered: F.dropout, F.dropout1d / 2d / 3d, "
-        "torch.rand_like, torch.randn_like (README, 'Random draws on split values').",
+        "torch.rand_like, torch.randn_like, in-place fills with number parameters (README, 'Random draws on split "
+        "values').",
         stacklevel=2,
     )
 
