@@ -95,7 +95,9 @@ class Config:
     its GELU backward, the most apart Inductor fuses (session 9, fusion log on an H200), and costs a kernel of
     its own. Off: the program keeps pt3func's order and the recomputed GELU shares the GELU backward's kernel.
     On an H200 (session 10) off is worth +0.7% with GELU recomputed in 6 of 12 blocks (and 0.24 GiB less peak)
-    but costs 0.7% without remat, hence on by default: turn it off together with a recompute policy. Also read from
+    but costs 0.7% without remat, hence on by default: turn it off together with a recompute policy. A program
+    that draws random numbers twice or more is always compiled without it: the pass can swap two draws (seen on
+    an H200), and each would read the other's numbers from the generator. Also read from
     PT3FUNC_INDUCTOR_REORDER_FOR_LOCALITY ("0": off); applies to programs compiled after it is set."""
 
 

@@ -642,3 +642,37 @@ def test_locality_reorder_option_reaches_inductor_and_keeps_numbers(monkeypatch,
     ref_losses, ref_params, _ = train(*make_step("none", dropout=0.0, body=mlp_block), backend="eager")
     for u, v in zip(pf.tree.leaves((losses, params)), pf.tree.leaves((ref_losses, ref_params))):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+def test_locality_reorder_off_for_programs_drawing_twice(monkeypatch):
+    """Two random draws (dropout, then a uniform_ fill) keep their order: Inductor compiles such a program without
+    `reorder_for_locality`, which swapped them on an H200; with one draw the setting stands. Numbers equal the
+    function run eagerly (not jitted) from the same seed."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.reorder_for_locality)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    monkeypatch.setattr(pf.config, "inductor_reorder_for_locality", True)
+    x = torch.randn(8, 16)
+
+    def two_draws(x):
+        h = torch.nn.functional.dropout(torch.tanh(x), 0.3, True)
+        return h + torch.empty_like(h).uniform_(-1, 1)
+
+    def one_draw(x):
+        return torch.nn.functional.dropout(torch.tanh(x), 0.3, True) * 2
+
+    for fn, reorder in ((two_draws, False), (one_draw, True)):
+        seen.clear()
+        torch.manual_seed(0)
+        got = pf.jit(fn, backend="inductor")(x)
+        torch.manual_seed(0)
+        assert torch.equal(got, fn(x)), fn.__name__
+        assert seen == [reorder], fn.__name__

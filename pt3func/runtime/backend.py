@@ -10,6 +10,7 @@ from torch import fx
 from pt3func._compat import inductor_collective_bucketing
 from pt3func.config import config
 from pt3func.passes.chunked_loss import accumulate_in_place
+from pt3func.passes.remat import is_random
 from pt3func.runtime.virtual import in_rank_thread
 from pt3func.trace.capture import TRACE_LOCK
 
@@ -30,7 +31,7 @@ def compile_program(
         # is that a jitted step sees the same random numbers as the same code run eagerly.
         options = {
             "fallback_random": True,
-            "reorder_for_locality": bool(config.inductor_reorder_for_locality),
+            "reorder_for_locality": reorder_for_locality(gm),
             **(inductor_collective_bucketing() if bucket_collectives(gm) else {}),
         }
         if "accumulate_in_place" not in config.disabled_passes:
@@ -38,6 +39,17 @@ def compile_program(
         with TRACE_LOCK, inductor_config.patch(options):
             return compile_fx(gm, list(example_inputs), decompositions=_decompositions(example_inputs))
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+def reorder_for_locality(gm: fx.GraphModule) -> bool:
+    """Inductor's `reorder_for_locality` pass (`pf.config.inductor_reorder_for_locality`), except for a program that
+    draws random numbers twice or more. The pass sinks each op to just before its first user, which can swap two
+    draws: on an H200 (session 10) a `uniform_` whose result was used first moved ahead of a dropout, each then
+    took the other's numbers from the generator, and the step's losses left eager torch's (they came back with
+    the pass off). Draws must happen in the order the step makes them, as `fallback_random` promises."""
+    if not config.inductor_reorder_for_locality:
+        return False
+    return sum(1 for node in gm.graph.nodes if is_random(node)) < 2
 
 
 _BUCKETED_BY_AUTO = ("all_gather_into_tensor", "reduce_scatter_tensor")
