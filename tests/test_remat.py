@@ -620,9 +620,8 @@ def test_fence_token_is_a_library_kernel_output_that_reads_no_copy():
     assert any("gelu_gelu_backward" in k for k in kernels), kernels
 
 
-@pytest.mark.parametrize("reorder", [True, False])
-def test_locality_reorder_option_reaches_inductor_and_keeps_numbers(monkeypatch, reorder):
-    """`pf.config.inductor_reorder_for_locality` is what Inductor compiles with; either way the same numbers."""
+def locality_seen_by_inductor(monkeypatch):
+    """The `reorder_for_locality` setting of each Inductor compilation from now on (a list that fills up)."""
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import config as inductor_config
 
@@ -634,6 +633,13 @@ def test_locality_reorder_option_reaches_inductor_and_keeps_numbers(monkeypatch,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    return seen
+
+
+@pytest.mark.parametrize("reorder", [True, False])
+def test_locality_reorder_option_reaches_inductor_and_keeps_numbers(monkeypatch, reorder):
+    """`pf.config.inductor_reorder_for_locality` is what Inductor compiles with; either way the same numbers."""
+    seen = locality_seen_by_inductor(monkeypatch)
     monkeypatch.setattr(pf.config, "inductor_reorder_for_locality", reorder)
     policy = pf.checkpoint_policies.save_only_these_names("mlp_in")
     step_fn, opt = make_step(policy, dropout=0.0, body=mlp_block)
@@ -648,17 +654,7 @@ def test_locality_reorder_off_for_programs_drawing_twice(monkeypatch):
     """Two random draws (dropout, then a uniform_ fill) keep their order: Inductor compiles such a program without
     `reorder_for_locality`, which swapped them on an H200; with one draw the setting stands. Numbers equal the
     function run eagerly (not jitted) from the same seed."""
-    import torch._inductor.compile_fx as compile_fx_module
-    from torch._inductor import config as inductor_config
-
-    seen = []
-    real = compile_fx_module.compile_fx
-
-    def spy(*args, **kwargs):
-        seen.append(inductor_config.reorder_for_locality)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    seen = locality_seen_by_inductor(monkeypatch)
     monkeypatch.setattr(pf.config, "inductor_reorder_for_locality", True)
     x = torch.randn(8, 16)
 
