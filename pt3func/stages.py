@@ -61,9 +61,9 @@ class Lowered:
         self._program = program
         self._example_inputs = list(example_inputs)
         self._compiled: Compiled | None = None  # set once compiled (here or by the Jitted's cache)
-        # Set by pf.jit where an exchange guard applies (pt3func/compress/guard.py): given this program's
-        # run(leaves), the switch that times it against the reference program and runs the one it keeps.
-        self._make_switch: Callable[[Compiled], Any] | None = None  # an ExchangeSwitch for the compiled program
+        # Set by pf.jit where an exchange guard applies (pt3func/compress/guard.py): given this program compiled,
+        # the switch that times it against the reference program and runs the one it keeps.
+        self._make_switch: Callable[[Compiled], Any] | None = None
 
     @property
     def graph_module(self) -> fx.GraphModule:
