@@ -226,11 +226,10 @@ class ExchangeSwitch:
         self._times: dict[str, list[float]] = {COMPRESSED: [], REFERENCE: []}
         self.decision: ExchangeDecision | None = None
         self.program: Any = None  # the chosen Compiled, once decided
-        self._chosen: Callable[[list[Any]], Any] | None = None
 
     def __call__(self, leaves: list[Any]) -> Any:
-        if self._chosen is not None:
-            return self._chosen(leaves)
+        if self.program is not None:
+            return self.program._run_leaves(leaves)
         program, timed = self._schedule[self._calls]
         self._calls += 1
         run = self._compressed if program == COMPRESSED else self._reference_program()
@@ -279,7 +278,6 @@ class ExchangeSwitch:
         )
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.log(logging.INFO if kept else logging.WARNING, reason)
-        self._chosen = self._compressed if kept else self._reference
         self.program = self._compressed_program if kept else self._reference_compiled
         if kept:  # the reference program is no longer referenced: its compiled code (and CUDA graph) can go
             self._reference = self._reference_compiled = None

@@ -23,16 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
-from pt3func.spmd.random_ops import (
-    DROPOUTS,
-    FILLS,
-    RANDOM_LIKE,
-    UNCOVERED,
-    dropout,
-    fill,
-    random_like,
-    warn_uncovered,
-)
+from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
 from pt3func.spmd.vocab_embedding import lookup
 
 
@@ -53,19 +44,10 @@ class ShardedTraceOverrides(TorchFunctionMode):
             local = group_norm_locally(args, kwargs)
             if local is not None:
                 return local
-        elif func in DROPOUTS:
-            drawn = dropout(func, args, kwargs)
+        elif func in RANDOM:
+            drawn = redraw(func, args, kwargs)
             if drawn is not None:
                 return drawn
-        elif func in RANDOM_LIKE:
-            drawn = random_like(func, args, kwargs)
-            if drawn is not None:
-                return drawn
-        elif func in FILLS:
-            drawn = fill(func, args, kwargs)
-            if drawn is not None:
-                return drawn
-            warn_uncovered(func, args, kwargs)
         elif func in RECURRENT:
             local = run_locally(func, args) if not kwargs else None
             if local is not None:
@@ -76,8 +58,6 @@ class ShardedTraceOverrides(TorchFunctionMode):
             query = args[0] if args else kwargs.get("query")
             if isinstance(query, DTensor) and mask is not None and not isinstance(mask, DTensor):
                 kwargs = dict(kwargs, attn_mask=_mask_like(mask, query))
-        elif func in UNCOVERED:
-            warn_uncovered(func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -175,3 +175,23 @@ def _user_line() -> str:
     while frame is not None and not is_user_file(frame.f_code.co_filename):
         frame = frame.f_back
     return "unknown line" if frame is None else describe(frame.f_code.co_filename, frame.f_lineno)
+
+
+RANDOM = frozenset(DROPOUTS) | frozenset(RANDOM_LIKE) | FILLS | UNCOVERED
+
+
+def redraw(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """A random function of `RANDOM` called while a sharded step is traced: its result drawn over the whole value
+    where `func` is covered and its input split, else None (run as called), with a warning where a split value
+    meets a random function that is not redrawn."""
+    if func in DROPOUTS:
+        drawn = dropout(func, args, kwargs)
+    elif func in RANDOM_LIKE:
+        drawn = random_like(func, args, kwargs)
+    elif func in FILLS:
+        drawn = fill(func, args, kwargs)
+    else:
+        drawn = None
+    if drawn is None:
+        warn_uncovered(func, args, kwargs)
+    return drawn
