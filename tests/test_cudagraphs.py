@@ -126,12 +126,14 @@ def _recording(fn):
 
 def test_runner_buffers_with_a_stand_in_graph(monkeypatch):
     import pt3func.stages as stages
+    from pt3func.runtime import cudagraphs
 
     compile_program = stages.compile_program
     monkeypatch.setattr(stages, "compile_program", lambda *a: _recording(compile_program(*a)))
     monkeypatch.setattr(stages, "check_capturable", lambda *a: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(cudagraphs._CaptureSideEffects, "record", classmethod(lambda cls: None))  # no generator
 
     graphed = pf.jit(_sgd, donate_argnums=0, backend="eager", cuda_graphs=True)
     plain = pf.jit(_sgd, donate_argnums=0, backend="eager")
@@ -229,8 +231,16 @@ def test_uncapturable_op_names_the_program():
     step = pf.jit(f, cuda_graphs=True)
     x = torch.ones(4, device="cuda")
     step(x)  # the warm-up call runs as usual
+    torch.manual_seed(0)
+    want = torch.randn(8, device="cuda")
+    torch.manual_seed(0)
     with pytest.raises(pf.TracingError, match=r"f: cuda_graphs=True: the compiled program cannot be captured"):
         step(x)
+    # The broken capture leaves nothing behind: random draws go on from the same generator state (torch alone
+    # leaves the generator marked as capturing, and every later draw raises), on the stream used before.
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert torch.equal(torch.randn(8, device="cuda"), want)
+    assert torch.equal(pf.jit(f)(x), f(x))
 
 
 def test_release_destroys_graphs_before_the_process_group_goes(monkeypatch):

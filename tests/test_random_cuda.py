@@ -21,7 +21,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def mesh():
-    return pf.make_mesh((1,), ("dp",), device_type="cuda")
+    import torch.distributed as dist
+
+    yield pf.make_mesh((1,), ("dp",), device_type="cuda")
+    # The 1-rank world this starts must not outlive the module: later tests build virtual meshes, which refuse
+    # to run inside a torch.distributed world, and test_sharding.py checks that none is left.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -161,6 +161,30 @@ def _install_release_hooks() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
+
+class _CaptureSideEffects:
+    """What a failed capture leaves behind, and how to undo it.
+
+    When a capture is invalidated (a host sync, an uncapturable op), `torch.cuda.graph.__exit__` raises from
+    `capture_end` before it ends the capture's bookkeeping: the device's default generator stays marked as
+    capturing, so every later random op on that device fails ("Offset increment outside graph capture
+    encountered unexpectedly"), and the capture's side stream stays current. The user sees our TracingError
+    and must be able to go on (with cuda_graphs=False): so put back the generator state as it was before the
+    capture (a capture never advances it: its draws are counted per graph) and the stream.
+    """
+
+    def __init__(self, generator: torch.Generator, rng_state: torch.Generator, stream: torch.cuda.Stream):
+        self._generator, self._rng_state, self._stream = generator, rng_state, stream
+
+    @classmethod
+    def record(cls) -> _CaptureSideEffects:
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        return cls(generator, generator.clone_state(), torch.cuda.current_stream())
+
+    def restore(self) -> None:
+        self._generator.graphsafe_set_state(self._rng_state)
+        torch.cuda.set_stream(self._stream)
+
 class CUDAGraphRunner:
     """`run(inputs) -> outputs` for one compiled program: warm up, capture once, then replay.
 
@@ -234,6 +258,7 @@ class CUDAGraphRunner:
                 static.append(own)
         graph = torch.cuda.CUDAGraph()
         cause: Exception | None = None
+        before = _CaptureSideEffects.record()
         try:
             with torch.cuda.graph(graph):
                 try:
@@ -244,6 +269,7 @@ class CUDAGraphRunner:
                     raise
         except Exception as e:
             cause = cause or e
+            before.restore()
             raise TracingError(
                 f"{self._name}: cuda_graphs=True: the compiled program cannot be captured in a CUDA graph: "
                 f"{type(cause).__name__}: {cause}. Some op in it synchronises with the host or is not "
