@@ -37,6 +37,7 @@ from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.spmd import lower
+from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.spmd.partial_sums import reducing_partial_sums
 from pt3func.stages import Compiled, Lowered, Program
@@ -570,5 +571,5 @@ def jit(
 def _sharded_tracing() -> Iterator[None]:
     """What a sharded step is traced under: plain tensors taken as replicated, some torch functions handled by
     pt3func (`spmd/overrides.py`)."""
-    with implicit_replication(), ShardedTraceOverrides(), reducing_partial_sums():
+    with implicit_replication(), ShardedTraceOverrides(), reducing_partial_sums(), decomposing_ops_without_rules():
         yield

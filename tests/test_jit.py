@@ -243,6 +243,39 @@ def test_mutating_a_view_of_an_input_raises():
         pf.jit(f, backend="eager")({"w": torch.randn(3, 2)})
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensors_captured_from_outside_are_read_by_the_program(backend):
+    """A closure's tensors (a mask, a table of positions) are constants of the program: gradients flow around
+    them, and the program reads the captured tensor itself, as eager PyTorch does (an in-place change is seen)."""
+    mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    table = torch.randn(4, 4)
+
+    def loss(w, x):
+        return ((x @ table) * w * mask).pow(2).sum() + table.sum()
+
+    w, x = torch.randn(4), torch.randn(2, 4)
+    value, grad = pf.jit(pf.value_and_grad(loss), backend=backend)(w, x)
+    want_value, want_grad = torch.func.grad_and_value(loss)(w, x)[::-1]
+    torch.testing.assert_close(value, want_value)
+    torch.testing.assert_close(grad, want_grad)
+    scaled = pf.jit(lambda x: x * mask, backend=backend)
+    scaled(x)
+    mask.mul_(3.0)
+    torch.testing.assert_close(scaled(x), x * mask)
+
+
+def test_writing_into_a_captured_tensor_raises():
+    counts = torch.zeros(3)
+
+    def f(x):
+        counts.add_(x)
+        return x * 2
+
+    with pytest.raises(pf.ImpureFunctionError, match=r"`counts.add_\(x\)`.*captured from outside the step"):
+        pf.jit(f, backend="eager")(torch.ones(3))
+    assert torch.equal(counts, torch.zeros(3))
+
+
 def test_python_if_on_tensor_raises():
     def f(x):
         if x.sum() > 0:

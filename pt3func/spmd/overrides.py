@@ -5,6 +5,8 @@
   inputs: run on each rank's own samples (`per_sample.py`).
 - `F.dropout` (and `dropout1d / 2d / 3d`), `torch.rand_like`, `torch.randn_like` and in-place random fills on
   split values: each rank keeps its block of the single-device draw (`random_ops.py`).
+- Convolutions (`F.conv*`, `F.conv_transpose*`) of a weight or input split other than along the batch: gathered
+  first (`convolution.py`), where DTensor gave wrong numbers.
 - `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
   inside the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on
   the dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached
@@ -22,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
+from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
 from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
 from pt3func.spmd.vocab_embedding import lookup
@@ -52,6 +55,10 @@ class ShardedTraceOverrides(TorchFunctionMode):
             local = run_locally(func, args) if not kwargs else None
             if local is not None:
                 return local
+        elif func in CONVOLUTIONS:
+            done = convolve_in_supported_layout(func, args, kwargs)
+            if done is not None:
+                return done
         elif func is F.scaled_dot_product_attention:
             warn_uncovered(func, args, kwargs)
             mask = kwargs.get("attn_mask")

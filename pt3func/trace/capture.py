@@ -98,29 +98,36 @@ def _record_user_frames() -> Iterator[None]:
 def _dtensor_bookkeeping_untraced() -> Iterator[None]:
     """Run DTensor's shard-offset arithmetic outside the trace.
 
-    `_StridedShard` (what a view of a sharded dim gives) computes offsets with torch.arange(...).tolist()
-    on the mesh; under make_fx that records thousands of dead nodes and makes tracing slow.
+    DTensor computes a block's offsets with small index tensors (`torch.arange(...)`, `.tolist()`, `int(t[0])`).
+    Under make_fx those are fake: `_StridedShard` (what a view of a sharded dim gives) recorded thousands of dead
+    nodes, and `int(offsets[0])` is a data-dependent read that failed the trace (argmax / argmin over a split
+    dim: its handler converts local indices to global ones). Outside the trace they are small real tensors and
+    the offsets plain ints.
     """
-    from torch.distributed.tensor import placement_types
-
-    cls = getattr(placement_types, "_StridedShard", None)
-    name = "local_shard_size_and_offset"
-    raw = cls.__dict__.get(name) if cls is not None else None
-    if raw is None or isinstance(raw, (staticmethod, classmethod)):
-        yield
-        return
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor import _utils as dtensor_utils
+    from torch.distributed.tensor import placement_types
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    def untraced(*args: object, **kwargs: object) -> object:
-        with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            return raw(*args, **kwargs)
+    targets = [(getattr(placement_types, "_StridedShard", None), "local_shard_size_and_offset"),
+               (dtensor_utils, "_get_shard_size_and_offsets"), (dtensor_utils, "_get_first_offset")]
+    patched = []
+    for owner, name in targets:
+        raw = vars(owner).get(name) if owner is not None else None
+        if raw is None or isinstance(raw, (staticmethod, classmethod)):
+            continue
 
-    setattr(cls, name, untraced)
+        def untraced(*args: object, _raw: Callable = raw, **kwargs: object) -> object:
+            with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                return _raw(*args, **kwargs)
+
+        setattr(owner, name, untraced)
+        patched.append((owner, name, raw))
     try:
         yield
     finally:
-        setattr(cls, name, raw)
+        for owner, name, raw in patched:
+            setattr(owner, name, raw)
 
 
 RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._VariableFunctions.gru,
@@ -149,7 +156,11 @@ def trace(
     try:
         with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced(), \
                 _RecurrentWithoutOneDNN():
-            gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*example_inputs)
+            # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
+            # read by the program at every call. Without this flag fake mode refused them with an internal error.
+            gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
+                *example_inputs
+            )
     except _DATA_DEPENDENT_ERRORS as exc:
         frame = user_frame_in_traceback(exc.__traceback__)
         where = describe(*frame) if frame else f"in '{fn_name}'"

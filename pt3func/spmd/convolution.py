@@ -1,0 +1,57 @@
+"""Convolutions of split values, in the layouts DTensor computes correctly.
+
+DTensor's convolution rule handles one layout: the input split along its batch dim (or whole) and a whole
+weight. Given anything else it gave wrong numbers without an error: a weight split over out-channels (tensor
+parallel) came back as a "replicated" output with half the channels, an input split along a spatial dim as a
+"replicated" output of half the width, and a weight split over in-channels failed inside the kernel.
+
+So before `F.conv*` / `F.conv_transpose*` runs on DTensors, the weight and bias are gathered whole and the input
+keeps only a split of its batch dim (other splits are gathered). The result is the single-device one; the
+gathers are the price (tensor-parallel and spatially split convolutions are not made efficient, only right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+
+from pt3func._compat import is_plain_shard
+from pt3func.spmd import lower
+
+CONVOLUTIONS = frozenset({F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d})
+_OPERANDS = ("input", "weight", "bias")
+
+
+def convolve_in_supported_layout(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run `func` with its operands redistributed as the module docstring says, or None where nothing needs to
+    change (no DTensor operand, or already a supported layout)."""
+    args, kwargs = list(args), dict(kwargs)
+    operands = {}
+    for i, name in enumerate(_OPERANDS):
+        if i < len(args):
+            operands[name] = (args, i)
+        elif name in kwargs:
+            operands[name] = (kwargs, name)
+    values = {name: where[key] for name, (where, key) in operands.items()}
+    x, weight = values.get("input"), values.get("weight")
+    if not any(isinstance(v, DTensor) for v in values.values()):
+        return None
+    # A batched input has as many dims as the weight (N, C, *spatial vs out, in, *kernel); only its dim 0 may
+    # stay split.
+    batched = isinstance(x, DTensor) and weight is not None and x.ndim == weight.ndim
+    changed = False
+    for name, value in values.items():
+        if not isinstance(value, DTensor):
+            continue
+        keep = [p if (name == "input" and batched and is_plain_shard(p) and p.dim == 0) else Replicate()
+                for p in value.placements]
+        if tuple(keep) != tuple(value.placements):
+            with lower.reason(f"{func.__name__}: {name} gathered (DTensor convolves batch-split inputs only)"):
+                value = value.redistribute(value.device_mesh, keep)
+            where, key = operands[name]
+            where[key] = value
+            changed = True
+    return func(*args, **kwargs) if changed else None

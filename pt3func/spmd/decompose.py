@@ -1,0 +1,109 @@
+"""Ops DTensor has no rule of its own for: run their decomposition over the DTensors instead.
+
+DTensor propagates shardings op by op. For an aten op without a rule of its own, torch 2.11 raises
+(`binary_cross_entropy_with_logits`, `log_sigmoid_forward`, `multi_margin_loss` ... on a batch-sharded value),
+and torch 2.13 derives a rule by tracing the op's decomposition on a mesh of one, then runs the op itself on
+each rank's block. That is wrong wherever the op's arithmetic depends on the global shape: `mse_loss_backward`
+with a mean divides by the block's element count, so a data-parallel step's gradient came out world-size times
+too large (also `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy`, `soft_margin_loss`), with the right loss
+value. `nll_loss_forward` has a rule, but with a mean over a split batch it averages the ranks' means, which is
+not the mean when ignored targets or class weights differ between the blocks (NaN for a block with every target
+ignored).
+
+While a sharded step is traced, such ops run their decomposition (`torch._decomp`) with the DTensors themselves:
+every op of it goes through DTensor's own rules and sees global shapes, so a mean divides by the global count
+and a sum over a split dim becomes a partial sum that is reduced where it must be. The numbers are the
+decomposition's, equal to the fused kernel's up to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._decomp import decomposition_table
+from torch.distributed.tensor import DTensor
+
+aten = torch.ops.aten
+
+# Ops with a DTensor rule that is wrong for a split batch (see the module docstring).
+_RULE_WRONG = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+
+
+def _has_rule(op: torch._ops.OpOverload) -> bool:
+    prop = DTensor._op_dispatcher.sharding_propagator
+    tables = (prop.op_strategy_funcs, prop.op_to_rules, getattr(prop, "op_single_dim_strategy_funcs", {}),
+              DTensor._op_dispatcher._custom_op_handlers)
+    return any(op in table for table in tables)
+
+
+def _decomposable(op: object) -> bool:
+    if not isinstance(op, torch._ops.OpOverload) or _has_rule(op):
+        return False
+    schema = op._schema
+    returns_tensors = bool(schema.returns) and all(
+        isinstance(r.type, torch.TensorType) and r.alias_info is None for r in schema.returns
+    )
+    # In-place and view ops must keep their aliasing, random ops their draws (`random_ops.py`): leave them.
+    return returns_tensors and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags
+
+
+@functools.cache
+def decomposed_ops() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
+    """Op -> DTensor handler for every op this module decomposes (computed once, after DTensor's rules exist)."""
+    import torch._prims as prims
+    import torch.distributed.tensor._ops  # noqa: F401  (registers DTensor's rules)
+
+    ops = [op for op in decomposition_table if _decomposable(op)] + list(_RULE_WRONG)
+    handlers: dict[torch._ops.OpOverload, Callable[..., Any]] = {op: _run_decomposition for op in ops}
+    handlers.update(_WHERE_WITH_SCALARS)
+    # Some decompositions are torch._refs written with prims (`prims.where`), which DTensor has no rules for:
+    # each prim runs its aten implementation over the DTensors.
+    for prim in vars(prims).values():
+        if isinstance(prim, torch._ops.OpOverload) and hasattr(prim, "impl_aten") and _decomposable(prim):
+            handlers[prim] = _run_prim
+    return handlers
+
+
+def _run_decomposition(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    return decomposition_table[op](*args, **kwargs)
+
+
+def _where_with_scalars(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """`torch.where` with a Python number on either side, as `where.self` with 0-d tensors (whose dtype is the one
+    the number gets beside the other side). Its decomposition is `prims.where`, whose aten implementation is
+    `torch.where` again: decomposing it would never end."""
+    cond, a, b = args
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        dtype = torch.result_type(torch.tensor(a), torch.tensor(b))
+        a, b = torch.tensor(a, dtype=dtype), torch.tensor(b, dtype=dtype)
+    elif not isinstance(a, torch.Tensor):
+        a = torch.tensor(a, dtype=b.dtype)
+    elif not isinstance(b, torch.Tensor):
+        b = torch.tensor(b, dtype=a.dtype)
+    return aten.where.self(cond, a, b, **kwargs)
+
+
+_WHERE_WITH_SCALARS = {
+    op: _where_with_scalars for op in (aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+}
+
+
+def _run_prim(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    return op.impl_aten(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def decomposing_ops_without_rules() -> Iterator[None]:
+    """Within this block, DTensor runs `decomposed_ops()` through their decompositions (see the module doc)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers  # read by DTensor's C++ dispatch: change it in place
+    added = {op: fn for op, fn in decomposed_ops().items() if op not in handlers}
+    handlers.update(added)
+    try:
+        yield
+    finally:
+        for op in added:
+            handlers.pop(op, None)
