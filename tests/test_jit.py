@@ -264,6 +264,19 @@ def test_tensors_captured_from_outside_are_read_by_the_program(backend):
     torch.testing.assert_close(scaled(x), x * mask)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_whose_fake_strides_differ_from_the_real_ones(backend):
+    """`mse_loss_backward` of a transposed prediction (as nn.MultiheadAttention(batch_first=True) returns) has other
+    strides in fake mode than for real: the traced `view` of its result failed under the eager backend."""
+    g = torch.Generator().manual_seed(0)
+    w, x, y = torch.randn(16, 16, generator=g), torch.randn(6, 2, 16, generator=g), torch.randn(2, 6, 16, generator=g)
+
+    def loss(w, x, y):
+        return F.mse_loss((x.reshape(12, 16) @ w).view(6, 2, 16).transpose(0, 1), y)
+
+    torch.testing.assert_close(pf.jit(pf.grad(loss), backend=backend)(w, x, y), pf.grad(loss)(w, x, y))
+
+
 def test_writing_into_a_captured_tensor_raises():
     counts = torch.zeros(3)
 

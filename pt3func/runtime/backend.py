@@ -10,6 +10,7 @@ from torch import fx
 from pt3func._compat import inductor_collective_bucketing
 from pt3func.config import config
 from pt3func.passes.chunked_loss import accumulate_in_place
+from pt3func.passes.eager_views import reshape_unwritten_views
 from pt3func.passes.random_fills import fill_fresh_buffers_in_one_op
 from pt3func.passes.remat import is_random
 from pt3func.runtime.virtual import in_rank_thread
@@ -23,7 +24,7 @@ def compile_program(
 ) -> Callable[..., Sequence]:
     """Return `run(*flat_inputs) -> flat outputs` for `gm` with the chosen backend."""
     if backend == "eager":
-        return gm
+        return reshape_unwritten_views(gm)
     if backend == "inductor":
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
