@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from pt3func import tree
 from pt3func.compress.formats import Format
@@ -53,6 +54,7 @@ from pt3func.trace.signature import (
     leaf_labels,
     rebuild_call,
     split_static,
+    static_types,
 )
 
 log = logging.getLogger("pt3func.jit")
@@ -107,6 +109,7 @@ class Jitted:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
         dynamic, static = split_static(self._spec, args, kwargs)
+        types = static_types(static)
         last = self._leaf_memo.last()
         if last is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
@@ -116,14 +119,14 @@ class Jitted:
                 leaves = last.treedef.flatten_up_to(dynamic)
             except (ValueError, TypeError):  # another structure
                 leaves = None
-            if leaves is not None and last.static == static:
+            if leaves is not None and last.static == static and last.key[2] == types:
                 leaf_keys = tuple(self._leaf_memo.keys(leaves))
                 if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
                     return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
         leaves, treedef = tree.flatten(dynamic)
         leaf_keys = tuple(self._leaf_memo.keys(leaves))
         try:
-            key = (treedef, static, leaf_keys)
+            key = (treedef, static, types, leaf_keys)
             compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here
         except TypeError:
             check_hashable(static, lambda: [repr(s) for s in static])
@@ -139,6 +142,8 @@ class Jitted:
         return key, leaves, treedef, static, compiled, leaf_keys
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if get_proxy_mode() is not None:  # called from a step another pf.jit is tracing: inlined, as in jax.jit
+            return self.fn(*args, **kwargs)
         if VirtualWorld._installed and not in_rank_thread():
             vmesh = find_mesh(args, kwargs)
             if vmesh is not None:
@@ -355,8 +360,11 @@ class Jitted:
             graph_in[i]: graph_out[j] for j, i in out_info["preferred"].items() if i in graph_in and j in graph_out
         }
         _check_donated_layouts(self.name, preferred, in_meta, out_meta, {graph_in[i] for i in donated_leaves})
-        donated_graph = [graph_in[i] for i in donated_leaves]
+        overlapping = {graph_in[i] for i in donated_leaves if _overlaps_itself(leaves[i])}
+        donated_graph = [graph_in[i] for i in donated_leaves if graph_in[i] not in overlapping]
         plan_g = plan_donation(in_meta, out_meta, donated_graph, preferred)
+        for g in overlapping:  # one address holds several elements: no output can be written into it
+            plan_g.unused[g] = "its elements share memory (an expand()-ed view, stride 0): it cannot hold an output"
         gm = apply_donation(gm, plan_g)
         optimisations = [cast_before_gather]  # same values, fewer bytes: safe run op by op too
         if self.backend == "inductor":
@@ -465,6 +473,10 @@ def _meta(label: str, leaf: Any, dmeta: lower.DTensorMeta | None = None) -> Leaf
 def _out_meta(label: str, val: torch.Tensor, dmeta: lower.DTensorMeta | None) -> LeafMeta:
     layout = (dmeta.device_mesh, dmeta.placements) if dmeta is not None else None
     return LeafMeta(label, tuple(val.shape), val.dtype, val.device, layout)
+
+
+def _overlaps_itself(leaf: torch.Tensor) -> bool:
+    return torch._debug_has_internal_overlap(_local(leaf)) == 1  # 1: a stride-0 dim of size > 1 (2: cannot tell)
 
 
 def _check_donated_layouts(

@@ -18,7 +18,7 @@ from pt3func.passes.donation import DonationPlan
 from pt3func.runtime.backend import compile_program
 from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate
-from pt3func.trace.signature import ArgSpec, leaf_key, split_call
+from pt3func.trace.signature import ArgSpec, leaf_key, split_call, static_types
 
 
 @dataclass
@@ -227,7 +227,7 @@ class Compiled:
         """Run on arguments of the signature this was compiled for (else raise: use the `Jitted` to retrace)."""
         p = self._program
         leaves, treedef, static = split_call(p.spec, args, kwargs)
-        key = (treedef, static, tuple([leaf_key(leaf) for leaf in leaves]))
+        key = (treedef, static, static_types(static), tuple([leaf_key(leaf) for leaf in leaves]))
         if key != p.key:
             raise TracingError(
                 f"{p.name}: this Compiled was built for another signature (pytree structure, shapes, dtypes or "

@@ -124,6 +124,41 @@ def test_cache_hits_on_same_signature_and_retraces_on_new_shape(caplog):
     assert "batch[0]: float32[8, 4] on cpu -> float32[16, 4] on cpu" in caplog.text
 
 
+def test_a_retrace_for_strides_is_explained_with_them(caplog):
+    step = pf.jit(lambda x: x * 2, backend="eager")
+    step(torch.randn(3, 2))
+    pf.config.explain_cache_misses = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="pt3func.jit"):
+            step(torch.randn(2, 3).t())
+    finally:
+        pf.config.explain_cache_misses = False
+    assert "x: float32[3, 2] on cpu -> float32[3, 2] on cpu strides=(1, 3)" in caplog.text
+
+
+def test_static_values_equal_but_of_other_types_are_other_programs():
+    step = pf.jit(lambda x, n: x * n, static_argnums=1, backend="eager")
+    assert step(torch.ones(2), 2).dtype == torch.float32
+    assert step(torch.ones(2, dtype=torch.int64), 2).dtype == torch.int64
+    assert step(torch.ones(2, dtype=torch.int64), 2.0).dtype == torch.float32  # eager: int * float -> float
+    assert step.trace_count() == 3
+
+
+def test_a_jitted_function_called_inside_another_is_inlined():
+    inner = pf.jit(lambda a: a * 2 + 1)
+    outer = pf.jit(lambda a: inner(a).sum())
+    x = torch.randn(3)
+    torch.testing.assert_close(outer(x), (x * 2 + 1).sum())
+    assert inner.trace_count() == 0  # traced as part of `outer`, never on its own
+
+
+def test_donating_an_expanded_view_is_reported_not_run():
+    x = torch.randn(1, 4).expand(3, 4)
+    with pytest.warns(UserWarning, match=r"p: its elements share memory"):
+        out = pf.jit(lambda p: p * 2 + 1, donate_argnums=0)(x)
+    torch.testing.assert_close(out, x * 2 + 1)
+
+
 def test_python_scalar_is_an_input_not_a_constant():
     step = pf.jit(_sgd_step, backend="eager")
     params, batch = _data()

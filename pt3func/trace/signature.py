@@ -90,6 +90,14 @@ def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return leaves, treedef, static
 
 
+def static_types(static: tuple) -> tuple:
+    """The types of the static values: `2` and `2.0` are equal and hash alike, but trace different programs."""
+    static_pos, static_kw = static
+    if not static_pos and not static_kw:
+        return ()
+    return tuple(type(v) for _, v in static_pos) + tuple(type(v) for _, v in static_kw)
+
+
 def split_static(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple]:
     """`((dynamic args, dynamic kwargs), static)` of a call: the pytree to flatten, and the static values."""
     if spec.static_argnums:
@@ -136,6 +144,9 @@ def describe_leaf(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         text = f"{str(leaf.dtype).replace('torch.', '')}{list(leaf.shape)} on {leaf.device}"
+        local = leaf._local_tensor if placement is not None else leaf
+        if not local.is_contiguous():  # strides are part of the signature: name them where they are unusual
+            text += f" strides={tuple(local.stride())}"
         return text + (f" placements={placement}" if placement is not None else "")
     if isinstance(leaf, SCALAR_TYPES):
         return f"Python {type(leaf).__name__} (traced)"
