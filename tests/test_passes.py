@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import pt3func as pf
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 
@@ -193,3 +194,19 @@ def test_bucketing_closes_a_bucket_at_its_size():
     gm = bucket_gradient_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph), bucket_bytes=2048)
     buckets = [n.meta["custom"]["pt3func_bucket"] for n in gm.graph.nodes if n.target is _AR]
     assert buckets == [["p[0]", "p[1]"], ["p[2]", "p[3]"]]
+
+
+def _add_scaled_product(p, a, b):
+    return torch.add(p, a @ b, alpha=-0.1), p.clone().sub_(a @ b, alpha=0.5)
+
+
+def test_adds_of_scaled_products_keep_their_alpha_under_inductor():
+    """Inductor (2.13, CPU) folds `add(p, a @ b, alpha)` into addmm and dropped alpha (`passes/scaled_add.py`)."""
+    from pt3func.passes.scaled_add import scale_products_before_adding
+
+    p, a, b = torch.randn(3, 2), torch.randn(3, 4), torch.randn(4, 2)
+    for got, want in zip(pf.jit(_add_scaled_product)(p, a, b), _add_scaled_product(p, a, b)):
+        torch.testing.assert_close(got, want)
+    gm = scale_products_before_adding(make_fx(_add_scaled_product)(p, a, b))
+    adds = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub_.Tensor)]
+    assert len(adds) == 2 and all("alpha" not in n.kwargs for n in adds)

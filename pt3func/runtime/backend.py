@@ -13,6 +13,7 @@ from pt3func.passes.chunked_loss import accumulate_in_place
 from pt3func.passes.eager_views import reshape_unwritten_views
 from pt3func.passes.random_fills import fill_fresh_buffers_in_one_op
 from pt3func.passes.remat import is_random
+from pt3func.passes.scaled_add import scale_products_before_adding
 from pt3func.runtime.virtual import in_rank_thread
 from pt3func.trace.capture import TRACE_LOCK
 
@@ -36,7 +37,7 @@ def compile_program(
             "reorder_for_locality": reorder_for_locality(gm),
             **(inductor_collective_bucketing() if bucket_collectives(gm) else {}),
         }
-        gm = fill_fresh_buffers_in_one_op(gm)
+        gm = scale_products_before_adding(fill_fresh_buffers_in_one_op(gm))
         if "accumulate_in_place" not in config.disabled_passes:
             gm = accumulate_in_place(gm)  # mutation only here: the passes before Inductor reorder by data flow
         with TRACE_LOCK, inductor_config.patch(options):
