@@ -56,6 +56,9 @@ def test_inductor_draws_what_eager_torch_draws(name):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+                    reason="torch 2.11's Inductor (CPU) gives the layer norm after a dropout wrong gradients in this "
+                    "one-graph program, with or without the pass (README, known limits)")
 def test_transformer_layer_with_dropout_trains_like_eager_torch():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.2, batch_first=True)
@@ -92,13 +95,15 @@ def test_the_pass_keeps_eager_strides_and_leaves_other_buffers_alone():
 
 
 def test_steps_without_the_pass_were_wrong(monkeypatch):
-    """What the pass fixes (so the tests above can fail): NaN with two dropouts, other masks for a transposed
-    value."""
+    """What the pass fixes (so the tests above can fail): NaN with two dropouts, and (torch 2.13) other masks for a
+    transposed value."""
     monkeypatch.setattr(backend, "fill_fresh_buffers_in_one_op", lambda gm: gm)
     q = torch.randn(2, 2, 4, 4)
     torch.manual_seed(1)
     loss, _ = pf.jit(_attention_with_two_dropouts)(q)
     assert torch.isnan(loss)
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        return  # 2.11's Inductor kept the transposed buffer's layout
     x = torch.randn(5, 5)
     torch.manual_seed(1)
     want = _dropout_of_a_transposed_value(x)

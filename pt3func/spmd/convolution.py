@@ -53,5 +53,19 @@ def convolve_in_supported_layout(func: Callable, args: tuple, kwargs: dict) -> A
                 value = value.redistribute(value.device_mesh, keep)
             where, key = operands[name]
             where[key] = value
+            values[name] = value
             changed = True
-    return func(*args, **kwargs) if changed else None
+    if not changed:
+        return None
+    dtensors = [v for v in values.values() if isinstance(v, DTensor)]
+    if all(isinstance(p, Replicate) for v in dtensors for p in v.placements):
+        # Every operand whole: convolve the local values. torch 2.11's rule takes the weight's gradient of a
+        # replicated convolution as a partial sum, which made it world-size times too large.
+        mesh = dtensors[0].device_mesh
+        local = func(*[_local(a) for a in args], **{k: _local(v) for k, v in kwargs.items()})
+        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return func(*args, **kwargs)
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value

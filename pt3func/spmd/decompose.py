@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch._decomp import decomposition_table
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 aten = torch.ops.aten
 
@@ -101,9 +101,25 @@ def decomposing_ops_without_rules() -> Iterator[None]:
     """Within this block, DTensor runs `decomposed_ops()` through their decompositions (see the module doc)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers  # read by DTensor's C++ dispatch: change it in place
     added = {op: fn for op, fn in decomposed_ops().items() if op not in handlers}
+    replaced = {op: handlers[op] for op in (aten.argmax.default, aten.argmin.default) if op in handlers}
     handlers.update(added)
+    handlers.update({op: functools.partial(_flat_argminmax_of_the_whole, fn) for op, fn in replaced.items()})
     try:
         yield
     finally:
         for op in added:
             handlers.pop(op, None)
+        handlers.update(replaced)
+
+
+def _flat_argminmax_of_the_whole(original: Callable[..., Any], op: torch._ops.OpOverload, args: tuple,
+                                 kwargs: dict) -> Any:
+    """`argmax()` / `argmin()` without a dim: of the gathered value, on every rank (torch 2.11's handler reads a
+    value's flat index as data inside the trace, even for a whole value). With a dim, DTensor's own handler."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is not None or not isinstance(x, DTensor):
+        return original(op, args, kwargs)
+    whole = [Replicate()] * x.device_mesh.ndim
+    local = op(x.redistribute(x.device_mesh, whole).to_local(), *args[1:], **kwargs)
+    return DTensor.from_local(local, x.device_mesh, whole, run_check=False)
