@@ -6,9 +6,7 @@ and torch 2.13 derives a rule by tracing the op's decomposition on a mesh of one
 each rank's block. That is wrong wherever the op's arithmetic depends on the global shape: `mse_loss_backward`
 with a mean divides by the block's element count, so a data-parallel step's gradient came out world-size times
 too large (also `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy`, `soft_margin_loss`), with the right loss
-value. `nll_loss_forward` has a rule, but with a mean over a split batch it averages the ranks' means, which is
-not the mean when ignored targets or class weights differ between the blocks (NaN for a block with every target
-ignored).
+value.
 
 While a sharded step is traced, such ops run their decomposition (`torch._decomp`) with the DTensors themselves:
 every op of it goes through DTensor's own rules and sees global shapes, so a mean divides by the global count
@@ -28,10 +26,6 @@ from torch._decomp import decomposition_table
 from torch.distributed.tensor import DTensor, Replicate
 
 aten = torch.ops.aten
-
-# Ops with a DTensor rule that is wrong for a split batch (see the module docstring).
-_RULE_WRONG = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-
 
 def _has_rule(op: torch._ops.OpOverload) -> bool:
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -57,7 +51,7 @@ def decomposed_ops() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     import torch._prims as prims
     import torch.distributed.tensor._ops  # noqa: F401  (registers DTensor's rules)
 
-    ops = [op for op in decomposition_table if _decomposable(op)] + list(_RULE_WRONG)
+    ops = [op for op in decomposition_table if _decomposable(op)]
     handlers: dict[torch._ops.OpOverload, Callable[..., Any]] = {op: _run_decomposition for op in ops}
     handlers.update(_WHERE_WITH_SCALARS)
     # Some decompositions are torch._refs written with prims (`prims.where`), which DTensor has no rules for:
