@@ -161,7 +161,6 @@ def _install_release_hooks() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-
 class _CaptureSideEffects:
     """What a failed capture leaves behind, and how to undo it.
 
@@ -184,6 +183,7 @@ class _CaptureSideEffects:
     def restore(self) -> None:
         self._generator.graphsafe_set_state(self._rng_state)
         torch.cuda.set_stream(self._stream)
+
 
 class CUDAGraphRunner:
     """`run(inputs) -> outputs` for one compiled program: warm up, capture once, then replay.

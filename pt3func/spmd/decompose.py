@@ -12,6 +12,9 @@ While a sharded step is traced, such ops run their decomposition (`torch._decomp
 every op of it goes through DTensor's own rules and sees global shapes, so a mean divides by the global count
 and a sum over a split dim becomes a partial sum that is reduced where it must be. The numbers are the
 decomposition's, equal to the fused kernel's up to rounding.
+
+The same block also takes `argmax()` / `argmin()` without a dim over a split value (see
+`_flat_argminmax_of_the_whole`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch._decomp import decomposition_table
 from torch.distributed.tensor import DTensor, Replicate
 
 aten = torch.ops.aten
+
 
 def _has_rule(op: torch._ops.OpOverload) -> bool:
     prop = DTensor._op_dispatcher.sharding_propagator
