@@ -5,8 +5,7 @@
   inputs: run on each rank's own samples (`per_sample.py`).
 - `F.dropout` (and `dropout1d / 2d / 3d`), `torch.rand_like`, `torch.randn_like` and in-place random fills on
   split values: each rank keeps its block of the single-device draw (`random_ops.py`).
-- `F.cross_entropy` / `F.nll_loss` with class weights and a mean over a split batch: the exact weighted mean
-  (`weighted_loss.py`).
+- `F.cross_entropy` / `F.nll_loss` with a mean over a split batch: the whole batch's mean (`mean_loss.py`).
 - Convolutions (`F.conv*`, `F.conv_transpose*`) of a weight or input split other than along the batch: gathered
   first (`convolution.py`), where DTensor gave wrong numbers.
 - `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
@@ -27,10 +26,10 @@ from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
 from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
+from pt3func.spmd.mean_loss import MEAN_LOSSES, exact_mean
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
 from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
 from pt3func.spmd.vocab_embedding import lookup
-from pt3func.spmd.weighted_loss import WEIGHTED_LOSSES, exact_weighted_mean
 
 
 class ShardedTraceOverrides(TorchFunctionMode):
@@ -58,8 +57,8 @@ class ShardedTraceOverrides(TorchFunctionMode):
             local = run_locally(func, args) if not kwargs else None
             if local is not None:
                 return local
-        elif func in WEIGHTED_LOSSES:
-            exact = exact_weighted_mean(func, args, kwargs)
+        elif func in MEAN_LOSSES:
+            exact = exact_mean(func, args, kwargs)
             if exact is not None:
                 return exact
         elif func in CONVOLUTIONS:
