@@ -112,3 +112,10 @@ def test_virtual_meshes_leave_the_process_excepthook_alone():
     pf.make_mesh((2,), ("dp",), virtual=True)
     pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
     assert sys.excepthook is before  # no "[rank0]: [rank1]: ..." prefixes stacked on later tracebacks
+
+
+def test_sharding_of_a_virtual_array_names_its_mesh_and_spec():
+    mesh2 = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    x = pf.device_put(torch.randn(4, 8), pf.NamedSharding(mesh2, P(None, ("dp", "tp"))))
+    assert pf.sharding_of(x) == pf.NamedSharding(mesh2, P(None, ("dp", "tp")))
+    assert pf.sharding_of(pf.device_put(torch.randn(4), pf.NamedSharding(mesh2, P()))).spec == P()

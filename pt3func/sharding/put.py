@@ -105,7 +105,12 @@ def device_get(tree: PyTree) -> PyTree:
 
 
 def sharding_of(x: Any) -> NamedSharding | None:
-    """The NamedSharding of a DTensor, None for anything else."""
+    """The NamedSharding of a DTensor (or of a virtual mesh's array, on that mesh), None for anything else."""
+    from pt3func.runtime.virtual import VirtualArray
+
+    if isinstance(x, VirtualArray):
+        placements = x.placements
+        return NamedSharding(x.mesh, spec_from_placements(placements, x.mesh, x.ndim)) if placements else None
     if not isinstance(x, DTensor):
         return None
     mesh: Mesh = mesh_of(x.device_mesh)
