@@ -61,11 +61,5 @@ def convolve_in_supported_layout(func: Callable, args: tuple, kwargs: dict) -> A
     if all(isinstance(p, Replicate) for v in dtensors for p in v.placements):
         # Every operand whole: convolve the local values. torch 2.11's rule takes the weight's gradient of a
         # replicated convolution as a partial sum, which made it world-size times too large.
-        mesh = dtensors[0].device_mesh
-        local = func(*[_local(a) for a in args], **{k: _local(v) for k, v in kwargs.items()})
-        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return lower.on_whole_values(func, args, kwargs, dtensors[0].device_mesh)
     return func(*args, **kwargs)
-
-
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from torch._decomp import decomposition_table
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
+
+from pt3func.spmd.lower import on_whole_values
 
 aten = torch.ops.aten
 
@@ -118,6 +120,4 @@ def _flat_argminmax_of_the_whole(original: Callable[..., Any], op: torch._ops.Op
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is not None or not isinstance(x, DTensor):
         return original(op, args, kwargs)
-    whole = [Replicate()] * x.device_mesh.ndim
-    local = op(x.redistribute(x.device_mesh, whole).to_local(), *args[1:], **kwargs)
-    return DTensor.from_local(local, x.device_mesh, whole, run_check=False)
+    return on_whole_values(op, args, kwargs, x.device_mesh)

@@ -184,6 +184,20 @@ def resolve_partial(x: DTensor) -> tuple:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
 
 
+def on_whole_values(func: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh: Any) -> DTensor:
+    """`func` of every DTensor operand gathered whole, run on each rank's local copy; the result replicated.
+
+    For ops whose DTensor handling is wrong or untraceable even when every operand is whole (torch 2.11's
+    convolution rule, its flat argmax handler): the local op on whole values is the single-device op."""
+    whole = [Replicate()] * mesh.ndim
+
+    def local(v: Any) -> Any:
+        return v.redistribute(v.device_mesh, whole).to_local() if isinstance(v, DTensor) else v
+
+    out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    return DTensor.from_local(out, mesh, whole, run_check=False)
+
+
 def collective_notes(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """For each collective node: kind, mesh axis, payload bytes and reason, as shown in `as_text()`."""
     names = _group_axis_names()
