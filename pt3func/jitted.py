@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +24,7 @@ from pt3func.compress.guard import (
     guard_for,
 )
 from pt3func.config import config
-from pt3func.errors import DonationError, ShardingError, TracingError
+from pt3func.errors import DataDependentControlFlowError, DonationError, ShardingError, TracingError
 from pt3func.passes import grad_exchange
 from pt3func.passes.backward_fence import backward_op, keep_backward_in_backward
 from pt3func.passes.bucketing import bucket_gradient_all_reduces
@@ -124,6 +125,8 @@ class Jitted:
                 if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
                     return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
         leaves, treedef = tree.flatten(dynamic)
+        while tree.adopt_torch_nodes(leaves):  # a Hugging Face ModelOutput passed in: its tensors are inputs
+            leaves, treedef = tree.flatten(dynamic)
         leaf_keys = tuple(self._leaf_memo.keys(leaves))
         try:
             key = (treedef, static, types, leaf_keys)
@@ -139,6 +142,8 @@ class Jitted:
                 f"{self.name}: arguments {', '.join(bad)} are neither tensors nor Python scalars, so they are "
                 "treated as static values, which must be hashable. Convert them to tensors or make them hashable."
             ) from None
+        if compiled is None:
+            _refuse_tensor_statics(self.name, static)
         return key, leaves, treedef, static, compiled, leaf_keys
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,6 +289,9 @@ class Jitted:
             with _sharded_tracing() if dtensor_in else contextlib.nullcontext():
                 out = fn(*args, **kwargs)
             out_leaves, out_treedef = tree.flatten(out)
+            while tree.adopt_torch_nodes(out_leaves):  # a Hugging Face ModelOutput: its tensors are outputs
+                out_leaves, out_treedef = tree.flatten(out)
+            _refuse_opaque_outputs(self.name, out_leaves, out_treedef)
             out_info["treedef"] = out_treedef
             out_info["leaves"] = out_leaves
             out_info["call_leaves"] = call_leaves
@@ -315,7 +323,17 @@ class Jitted:
         # threads leaving it mid-trace of another rank would drop that rank's node meta (reasons, remat regions).
         if _reference is None:
             with capture.TRACE_LOCK, lower.lowering():
-                gm = capture.trace(flat_fn, example_inputs, self.name)
+                try:
+                    gm = capture.trace(flat_fn, example_inputs, self.name)
+                except DataDependentControlFlowError as exc:
+                    scalars = [label for label, kind in zip(labels, kinds) if kind == "scalar"]
+                    if not scalars:
+                        raise
+                    raise DataDependentControlFlowError(
+                        f"{exc} Python numbers among the arguments ({', '.join(scalars)}) are traced as 0-d tensors "
+                        "(a new value does not retrace), so using one as a size, slice bound, range() or "
+                        "condition is such a read: make it static (static_argnums / static_argnames)."
+                    ) from None
         else:
             gm = _reference[0]
             out_info.update(_reference[1])
@@ -506,6 +524,57 @@ def _out_sharding_leaves(out_shardings: Any, out: Any, out_treedef: Any) -> list
 
     _paths, _leaves, per_leaf, _treedef = broadcast_shardings(out, out_shardings)
     return [s for s, leaf in zip(per_leaf, _leaves) if leaf is not None]
+
+
+def _refuse_tensor_statics(name: str, static: tuple) -> None:
+    """A tensor given as a static argument would key the cache by its identity and be baked into the program as
+    a constant: refused, as JAX refuses an array there."""
+    static_pos, static_kw = static
+    for where, value in (*static_pos, *static_kw):
+        if any(isinstance(x, torch.Tensor) for x in tree.leaves(value)):
+            label = f"argument {where}" if isinstance(where, int) else f"argument {where!r}"
+            raise TracingError(
+                f"{name}: static {label} holds a tensor; static values key the compile cache and become "
+                "constants of the program. Pass tensors as ordinary (traced) arguments."
+            )
+
+
+def _refuse_opaque_outputs(name: str, out_leaves: list[Any], out_treedef: Any) -> None:
+    """An output leaf that is an object holding tensors (a dataclass, a Hugging Face cache, any class that is not a
+    pytree node) would come back holding the trace's placeholder tensors, not the step's results: refused."""
+    for j, leaf in enumerate(out_leaves):
+        if isinstance(leaf, (torch.Tensor, bool, int, float, complex, str, type(None))):
+            continue
+        held = _tensor_attributes(leaf)
+        if held:
+            path = tree.keystr(_paths_of(out_treedef)[j]) or " (the whole output)"
+            raise TracingError(
+                f"{name}: output{path} is a {type(leaf).__qualname__} holding tensors ({', '.join(held)}), which is "
+                "not a pytree node, so its tensors would not be the step's results. Return its tensors in a "
+                "dict / tuple / namedtuple, register the class with pf.tree.register_node, or leave it out (a "
+                "Hugging Face model's cache: use_cache=False)."
+            )
+
+
+def _tensor_attributes(obj: Any, depth: int = 3) -> list[str]:
+    """The attributes of `obj` through which a tensor is reached (lists, dicts and objects `depth` deep)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+    else:
+        fields = vars(obj) if hasattr(obj, "__dict__") and not isinstance(obj, type) else {}
+    return [k for k, v in fields.items() if _reaches_tensor(v, depth)]
+
+
+def _reaches_tensor(value: Any, depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth <= 0 or isinstance(value, (bool, int, float, complex, str, bytes, type(None), type)):
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_reaches_tensor(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(_reaches_tensor(v, depth - 1) for v in value.values())
+    return bool(_tensor_attributes(value, depth - 1))
 
 
 def _preferred_outputs(spec: ArgSpec, treedef: Any, static: tuple, out_treedef: Any) -> dict[int, int]:

@@ -115,7 +115,7 @@ def _traced_region(fun: Callable[..., Any], policy: Policy, collectives: bool, a
 
 
 def _eager_region(fun: Callable[..., Any], policy: Policy, args: tuple, kwargs: dict) -> Any:
-    if policy.kind == "everything_saveable" or not torch.is_grad_enabled():
+    if policy.kind == "everything_saveable" or not torch.is_grad_enabled() or _composed():
         return fun(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -124,6 +124,15 @@ def _eager_region(fun: Callable[..., Any], policy: Policy, args: tuple, kwargs: 
     return torch_checkpoint(
         _with_eager_policy(fun, policy), *args, use_reentrant=False, context_fn=_selective(policy), **kwargs
     )
+
+
+def _composed() -> bool:
+    """Under a torch.func transform (pf.vmap, per-sample gradients) or a gradient of a gradient: there
+    torch.utils.checkpoint refuses to run (saved-tensor hooks) or fails (selective checkpointing's cache), so the
+    region runs as it is; remat saves memory only, the numbers are the same. Inside `pf.jit` remat applies."""
+    from pt3func.transforms import differentiation_depth
+
+    return torch._C._functorch.maybe_current_level() is not None or differentiation_depth() >= 2
 
 
 def _with_eager_policy(fun: Callable[..., Any], policy: Policy) -> Callable[..., Any]:

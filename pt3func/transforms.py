@@ -9,12 +9,15 @@ and on sharded values.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from pt3func import tree
 from pt3func._compat import is_plain_shard
@@ -27,6 +30,36 @@ def _as_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
 
 def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+_NESTING = threading.local()  # per thread: a virtual mesh's ranks are threads, each differentiating its own step
+
+
+def differentiation_depth() -> int:
+    """How many `value_and_grad` calls are running their function or backward on this thread right now."""
+    return getattr(_NESTING, "depth", 0)
+
+
+# The leaves `value_and_grad` made to differentiate (by id), alive while anything holds them: a nested call's are
+# in its caller's graph, and they are not a closure's parameter.
+_PREPARED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _reaches_other_leaves(value: torch.Tensor) -> bool:
+    """Whether `value`'s autograd graph reads a leaf that requires grad and was not made by `value_and_grad`: a
+    closure's parameter, which an outer autograd call (torch's own backward) will want a gradient for."""
+    seen: set[Any] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if variable is not None and _PREPARED.get(id(variable)) is not variable:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def value_and_grad(
@@ -54,56 +87,80 @@ def value_and_grad(
                     f"but only {len(args)} were given"
                 )
         diff_leaves, spec = tree.flatten(tuple(args[i] for i in nums))
-        # Nested differentiation: an outer grad already tracks these leaves, so keep them in the graph.
-        create_graph = torch.is_grad_enabled() and any(
-            isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in diff_leaves
+        # Nested differentiation keeps the gradient's graph: an outer grad tracks these leaves, or (the inner grad
+        # of a gradient penalty, taken over the data) the tensors `fn` closes over.
+        depth = differentiation_depth()
+        create_graph = torch.is_grad_enabled() and (
+            depth > 0 or any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in diff_leaves)
         )
-        with torch.enable_grad():
-            prepared = [
-                (leaf if create_graph and leaf.requires_grad else leaf.detach().requires_grad_())
-                if _differentiable(leaf)
-                else leaf
-                for leaf in diff_leaves
-            ]
-            used = prepared
-            if any(isinstance(p, DTensor) for p in prepared):
-                lower.copy_labels(diff_leaves, prepared)
-                others = tree.leaves(([a for k, a in enumerate(args) if k not in nums], kwargs))
-                used = lower.gather_sharded_params(prepared, others)
-            new_args = list(args)
-            for i, sub in zip(nums, tree.unflatten(spec, used)):
-                new_args[i] = sub
-            out = fn(*new_args, **kwargs)
-            value, aux = out if has_aux else (out, None)
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
-                raise TypeError(
-                    f"{getattr(fn, '__name__', fn)} must return a scalar tensor to be differentiated, got {got}"
-                    + (" (did you mean has_aux=True?)" if isinstance(value, tuple) else "")
-                )
-            wrt = [p for p in prepared if _differentiable(p)]
-            for p in wrt:
-                if isinstance(p, DTensor):
-                    # Reduce each gradient the moment the backward produces it (as DDP's buckets do), so
-                    # its collective is issued while the rest of the backward still runs.
-                    p.register_hook(functools.partial(lower.reduce_gradient, like=p))
-            with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"):
-                grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
-        grads_iter = iter(grads)
-        grad_leaves = []
-        for p in prepared:
-            if _differentiable(p):
-                g = next(grads_iter)
-                grad_leaves.append(torch.zeros_like(p) if g is None else lower.reduce_gradient(g, p))
-            else:
-                grad_leaves.append(None)
-        grad_tree = tree.unflatten(spec, grad_leaves)
-        grad_out = grad_tree[0] if isinstance(argnums, int) else grad_tree
-        if not create_graph:
-            value = value.detach()
-        return ((value, aux) if has_aux else value), grad_out
+        _NESTING.depth = depth + 1
+        try:
+            return _value_and_grad_call(fn, nums, has_aux, argnums, args, kwargs, diff_leaves, spec, create_graph)
+        finally:
+            _NESTING.depth = depth
 
     return wrapped
+
+
+def _value_and_grad_call(
+    fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, argnums: Any, args: tuple, kwargs: dict,
+    diff_leaves: list[Any], spec: Any, create_graph: bool,
+) -> Any:
+    grad_enabled = torch.is_grad_enabled()
+    with torch.enable_grad():
+        prepared = [
+            (leaf if create_graph and leaf.requires_grad else leaf.detach().requires_grad_())
+            if _differentiable(leaf)
+            else leaf
+            for leaf in diff_leaves
+        ]
+        if get_proxy_mode() is None:
+            for p, leaf in zip(prepared, diff_leaves):
+                if _differentiable(p) and p is not leaf:  # made here (a caller's tensor stays the caller's)
+                    _PREPARED[id(p)] = p
+        used = prepared
+        if any(isinstance(p, DTensor) for p in prepared):
+            lower.copy_labels(diff_leaves, prepared)
+            others = tree.leaves(([a for k, a in enumerate(args) if k not in nums], kwargs))
+            used = lower.gather_sharded_params(prepared, others)
+        new_args = list(args)
+        for i, sub in zip(nums, tree.unflatten(spec, used)):
+            new_args[i] = sub
+        out = fn(*new_args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
+            raise TypeError(
+                f"{getattr(fn, '__name__', fn)} must return a scalar tensor to be differentiated, got {got}"
+                + (" (did you mean has_aux=True?)" if isinstance(value, tuple) else "")
+            )
+        wrt = [p for p in prepared if _differentiable(p)]
+        if (grad_enabled and not create_graph and value.requires_grad and get_proxy_mode() is None
+                and _reaches_other_leaves(value)):
+            create_graph = True  # torch's own backward of a loss built on this gradient (outside pf.jit)
+        for p in wrt:
+            if isinstance(p, DTensor):
+                # Reduce each gradient the moment the backward produces it (as DDP's buckets do), so
+                # its collective is issued while the rest of the backward still runs.
+                p.register_hook(functools.partial(lower.reduce_gradient, like=p))
+        with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"):
+            if value.requires_grad:
+                grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
+            else:  # `fn` does not read what is differentiated: zero gradients (below), as torch.func and JAX give
+                grads = (None,) * len(wrt)
+    grads_iter = iter(grads)
+    grad_leaves = []
+    for p in prepared:
+        if _differentiable(p):
+            g = next(grads_iter)
+            grad_leaves.append(torch.zeros_like(p) if g is None else lower.reduce_gradient(g, p))
+        else:
+            grad_leaves.append(None)
+    grad_tree = tree.unflatten(spec, grad_leaves)
+    grad_out = grad_tree[0] if isinstance(argnums, int) else grad_tree
+    if not create_graph:
+        value = value.detach()
+    return ((value, aux) if has_aux else value), grad_out
 
 
 def _functorch_value_and_grad(
@@ -169,11 +226,13 @@ def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness
     """Vectorise `fn` over a batch axis, like `jax.vmap`, over pt3func pytrees.
 
     `in_axes` is an int, None, or a per-argument sequence of pytree prefixes of ints/None; `out_axes`
-    an int or a pytree prefix of the output. Built on `torch.func.vmap`; `randomness` is passed to it.
+    an int, None or a pytree prefix of the output (None: an output the same for every example, returned once;
+    an output that varies over the examples there raises). Keyword arguments are passed to every example
+    unmapped, as `torch.func.vmap` does. Built on `torch.func.vmap`; `randomness` is passed to it.
     """
 
     @functools.wraps(fn)
-    def wrapped(*args: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree.flatten(args)
         axes = [ax if isinstance(leaf, torch.Tensor) else None for ax, leaf in zip(_leaf_axes(in_axes, args), leaves)]
         if all(ax is None for ax in axes):
@@ -181,9 +240,12 @@ def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness
         out_spec: list[Any] = []
 
         def flat_fn(*flat: Any) -> tuple[Any, ...]:
-            out = fn(*tree.unflatten(spec, list(flat)))
+            out = fn(*tree.unflatten(spec, list(flat)), **kwargs)
             out_leaves, s = tree.flatten(out)
+            while tree.adopt_torch_nodes(out_leaves):  # a Hugging Face ModelOutput: its tensors are outputs
+                out_leaves, s = tree.flatten(out)
             out_spec.append(s)
+            _check_unmapped_outputs(fn, out, out_axes)
             return tuple(out_leaves)
 
         vectorised = torch.func.vmap(flat_fn, in_dims=tuple(axes), out_dims=0, randomness=randomness)
@@ -201,6 +263,28 @@ def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness
         return tree.map(lambda x, ax: x[0] if ax is None else torch.movedim(x, 0, ax), out_tree, full)
 
     return wrapped
+
+
+def _check_unmapped_outputs(fn: Callable[..., Any], out: Any, out_axes: Any) -> None:
+    """Inside the vmapped function: an output whose `out_axes` entry is None must not vary over the examples
+    (it is returned once; JAX and torch.func refuse one that does, rather than return the first example's)."""
+    if isinstance(out_axes, int):
+        return
+    level = torch._C._functorch.maybe_current_level()
+    ns = tree.NAMESPACE
+    out_paths = optree.tree_paths(out, none_is_leaf=True, namespace=ns)
+    out_leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=ns)
+    if out_axes is None:
+        axes: list[Any] = [None] * len(out_leaves)
+    else:
+        full = optree.tree_broadcast_prefix(out_axes, out, none_is_leaf=True, namespace=ns)
+        axes = optree.tree_leaves(full, none_is_leaf=True, namespace=ns)
+    for path, ax, leaf in zip(out_paths, axes, out_leaves):
+        if ax is None and isinstance(leaf, torch.Tensor) and torch._C._functorch.maybe_get_level(leaf) == level:
+            raise ValueError(
+                f"vmap({getattr(fn, '__name__', fn)}): out_axes is None for output{tree.keystr(path)} "
+                f"(returned once, for every example), but it differs from example to example; give it an axis"
+            )
 
 
 def _vmap_on_shards(

@@ -1,7 +1,9 @@
 """Pytree utilities: thin wrappers over optree in pt3func's own namespace.
 
 Dicts, lists, tuples, namedtuples and `None` are nodes out of the box; register your own classes with
-`register_node`. Leaves are everything else (tensors, Python scalars, ...).
+`register_node`. Leaves are everything else (tensors, Python scalars, ...). Classes registered with
+`torch.utils._pytree` (Hugging Face's `ModelOutput`s) are adopted the first time `pf.jit` or `pf.vmap` meets one
+(`adopt_torch_nodes`).
 """
 
 from __future__ import annotations
@@ -62,3 +64,44 @@ def keystr(path: tuple[Any, ...]) -> str:
 def register_node(cls: type, flatten_fn: Callable, unflatten_fn: Callable) -> None:
     """Register `cls` as a pytree node: `flatten_fn(x) -> (children, aux)`, `unflatten_fn(aux, children) -> x`."""
     optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+
+
+_ADOPTED: set[type] = set()
+
+
+def adopt_torch_nodes(leaves: list[Any]) -> bool:
+    """Register as nodes here the types among `leaves` that `torch.utils._pytree` knows as nodes (Hugging Face
+    registers its `ModelOutput`s there, not with optree), so their tensors are leaves rather than one opaque
+    object. Returns True when something new was registered (flatten again)."""
+    from torch.utils import _pytree
+
+    known = _pytree.SUPPORTED_NODES
+    adopted = False
+    for leaf in leaves:
+        cls = type(leaf)
+        node = known.get(cls) if cls not in _ADOPTED else None
+        if node is None:
+            continue
+        _ADOPTED.add(cls)
+        register_node(cls, _torch_flatten(node), _torch_unflatten(node))
+        adopted = True
+    return adopted
+
+
+def _torch_flatten(node: Any) -> Callable:
+    with_keys = getattr(node, "flatten_with_keys_fn", None)
+
+    def flatten_fn(x: Any) -> tuple[Any, ...]:
+        if with_keys is None:
+            children, context = node.flatten_fn(x)
+            return children, context
+        keyed, context = with_keys(x)
+        entries = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k, _ in keyed]
+        return [child for _, child in keyed], context, entries
+
+    return flatten_fn
+
+
+def _torch_unflatten(node: Any) -> Callable:
+    return lambda context, children: node.unflatten_fn(list(children), context)
+

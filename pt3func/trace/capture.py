@@ -18,7 +18,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 from torch.overrides import TorchFunctionMode
 
 from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError
-from pt3func.trace.source import describe, is_user_file, user_frame_in_stack_trace, user_frame_in_traceback
+from pt3func.trace.source import (
+    describe,
+    is_user_file,
+    library_frame_in_traceback,
+    user_frame_in_stack_trace,
+    user_frame_in_traceback,
+)
 
 _DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (GuardOnDataDependentSymNode,)
 try:
@@ -164,8 +170,11 @@ def trace(
     except _DATA_DEPENDENT_ERRORS as exc:
         frame = user_frame_in_traceback(exc.__traceback__)
         where = describe(*frame) if frame else f"in '{fn_name}'"
+        inner = library_frame_in_traceback(exc.__traceback__)
+        inside = f" (inside {describe(*inner)})" if inner else ""
         raise DataDependentControlFlowError(
-            f"{where}: Python control flow on a tensor value. {_FIX_CONTROL_FLOW}"
+            f"{where}{inside}: Python control flow on a tensor's value, or a read of it into Python (`if t`, "
+            f"float(t), int(t), a tensor as a size or slice bound). {_FIX_CONTROL_FLOW}"
         ) from None
     # DTensor's own bookkeeping (mesh coordinates read with .tolist()) leaves dead scalar reads behind;
     # only values the program uses count.

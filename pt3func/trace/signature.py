@@ -27,6 +27,13 @@ def _normalize(nums: int | Sequence[int], nparams: int | None, what: str) -> fro
     return frozenset(out)
 
 
+def _takes_var_positional(fn: Callable[..., Any]) -> bool:
+    try:
+        return any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+
+
 @dataclass(frozen=True)
 class ArgSpec:
     """Which positional indices / keyword names are static and which are donated."""
@@ -59,6 +66,14 @@ class ArgSpec:
         nparams = len(positional) if params is not None else None
         s_nums = set(_normalize(static_argnums, nparams, "static_argnums"))
         d_nums = set(_normalize(donate_argnums, nparams, "donate_argnums"))
+        if nparams is not None and not _takes_var_positional(fn):
+            for what, nums in (("static_argnums", s_nums), ("donate_argnums", d_nums)):
+                beyond = sorted(n for n in nums if n >= nparams)
+                if beyond:  # as in JAX: a silently ignored index would trace the argument (or never donate it)
+                    raise ValueError(
+                        f"{what}={beyond} but {getattr(fn, '__name__', fn)} takes {nparams} positional arguments "
+                        f"({', '.join(positional)})"
+                    )
         s_names = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
         d_names = {donate_argnames} if isinstance(donate_argnames, str) else set(donate_argnames)
         # As in JAX: a name given by position is also static/donated when passed by keyword, and vice versa.

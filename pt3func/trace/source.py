@@ -24,6 +24,32 @@ def is_user_file(filename: str) -> bool:
     return not any(part in path for part in (os.sep + "optree" + os.sep, os.sep + "contextlib.py"))
 
 
+# Where torch's model code lives (a frame there is where a module did something); the rest of torch is the
+# tracing machinery that noticed it.
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_MODULE_CALL = os.path.join("nn", "modules", "module.py")  # nn.Module.__call__: every module's forward passes it
+_TORCH_MODEL_CODE = tuple(_TORCH_DIR + part for part in ("nn" + os.sep, "functional.py", "distributions" + os.sep))
+
+
+def library_frame_in_traceback(tb: TracebackType | None) -> tuple[str, int] | None:
+    """The innermost frame of `tb` in a library's model code (torch.nn, transformers, ...), neither the user's file
+    nor torch's tracing machinery nor pt3func: where a module did what the trace refused."""
+    found = None
+    for frame, lineno in traceback.walk_tb(tb):
+        filename = frame.f_code.co_filename
+        path = os.path.abspath(filename)
+        if path.startswith(_TORCH_DIR):
+            if path.startswith(_TORCH_MODEL_CODE) and not path.endswith(_MODULE_CALL):
+                found = (path, lineno)
+        elif path.startswith(_LIBRARY_DIRS[-1]) or os.sep + "optree" + os.sep in path or filename.startswith("<"):
+            continue
+        elif "site-packages" in path:
+            found = (path, lineno)
+        elif is_user_file(path):
+            found = None  # the user's code ran below the library's: the user's line is the one to name
+    return found
+
+
 def describe(filename: str, lineno: int) -> str:
     """`file:line` followed by the source code of that line, when it can be read."""
     code = linecache.getline(filename, lineno).strip()
