@@ -82,9 +82,11 @@ def one_step_errors(rank: int, world: int, layout: str, formats: dict[str, str])
                 "rel": {k: _rel(got[k], exact[k]) for k in NAMES},
                 "text": lowered.as_text(),
                 "comm_bytes": lowered.cost_analysis()["comm_bytes"],
+                # (the 0-d all-reduce of FSDP's "every reduced gradient finite" flag carries no gradient)
                 "reduced_dtypes": sorted({str(n.args[0].meta["val"].dtype) for n in gm.graph.nodes
                                           if getattr(n.target, "__name__", "").startswith(("all_reduce",
-                                                                                          "reduce_scatter"))}),
+                                                                                          "reduce_scatter"))
+                                          and n.args[0].meta["val"].ndim > 0}),
                 "step": int(pf.device_get(ex2.step)),
                 "world": world,
             }
@@ -354,3 +356,37 @@ def momentum_correction(rank: int, world: int, ratio: float, momentum: float, st
                 sent_norms.append(float(sum(parts).norm()))
             errs.append(err)
     return {"errs": errs, "sent_norms": sent_norms}
+
+
+def nan_batch(rank: int, world: int, layout: str, formats: dict[str, str], steps: int, bad: int) -> dict:
+    """Per format: train `steps` steps under apply_if_finite with batch `bad` poisoned (a NaN target on rank 0's
+    rows), and the same steps without that batch; returns both end states (params, exchange state) and counters."""
+    mesh, specs, batch_spec, data_axes = _setup(layout)
+    out = {}
+    with pf.set_mesh(mesh):
+        for name, text in formats.items():
+            fmt = eval(text, vars(C))  # noqa: S307 - test constants
+            opt = C.with_state(pf.optim.apply_if_finite(pf.optim.adam(3e-2), 3), fmt, data_axes)
+
+            def step(params, state, x, y, opt=opt):
+                loss, grads = pf.value_and_grad(loss_fn)(params, x, y)
+                updates, state = opt.update(grads, state, params)
+                return pf.optim.apply_updates(params, updates), state, loss
+
+            jstep = pf.jit(step, in_shardings=(specs, None, batch_spec, batch_spec), grad_exchange=fmt,
+                           donate_argnums=(0, 1), static_argnames="opt", backend="eager")
+
+            def run(batches: list, opt=opt, jstep=jstep) -> dict:
+                params = pf.device_put(init_params(), specs)
+                state = opt.init(params)
+                for x, y in batches:
+                    params, state, _ = jstep(params, state, x, y)
+                return _full({"params": params, "ex": state[1].leaves, "step": state[1].step,
+                              "notfinite": state[0].total_notfinite})
+
+            clean = [batch(t) for t in range(steps)]
+            x, y = batch(bad)
+            y = y.clone()
+            y[0, 0] = float("nan")
+            out[name] = {"poisoned": run(clean[:bad] + [(x, y)] + clean[bad:]), "clean": run(clean)}
+    return out

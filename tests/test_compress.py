@@ -245,8 +245,9 @@ def test_comm_bytes_are_the_compressed_volumes(one_step):
     per_leaf = sum(int8_rows(n) for n in sizes)
     assert one_step["dp"]["int8"]["comm_bytes"] == {"all_to_all_single": per_leaf, "all_gather_into_tensor": per_leaf}
     param_bytes = 4 * sum(sizes)  # FSDP's forward all-gathers of the fp32 parameters
+    # + one fp32 flag: every rank's reduced shards finite (a skipped step keeps the exchange state)
     assert one_step["fsdp"]["int8"]["comm_bytes"] == {"all_to_all_single": per_leaf,
-                                                       "all_gather_into_tensor": param_bytes}
+                                                       "all_gather_into_tensor": param_bytes, "all_reduce": 4}
     # bf16: 2 bytes a value each way; top-k 10%: k values (4 B) + k int32 indices from each rank.
     assert one_step["dp"]["bf16"]["comm_bytes"] == {"all_to_all_single": 2 * sum(sizes),
                                                     "all_gather_into_tensor": 2 * sum(sizes)}
@@ -323,6 +324,24 @@ def test_fsdp_tp_and_two_rank_worlds():
     assert "(int8, block 256, EF): params['w2']" in r["int8"]["text"]
     two = run_world(2, cc.one_step_errors, "fsdp2", {"int8": "int8()", "powersgd": "powersgd(2)"})[0]
     assert max(two["int8"]["rel"].values()) < 1.5e-2 and two["int8"]["world"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "fsdp2"])
+def test_a_skipped_non_finite_step_leaves_the_exchange_state_as_it_was(layout):
+    # apply_if_finite skips a NaN batch; the exchange must not keep a NaN residual (every later step would be NaN)
+    # nor count the step: the run then equals one without that batch.
+    formats_ = {"int8": "int8()", "topk": "topk(0.25)", "powersgd": "powersgd(1)"}
+    r = run_world(2, cc.nan_batch, layout, formats_, 5, 2)
+    for rank_result in r:
+        for name, runs in rank_result.items():
+            poisoned, clean = runs["poisoned"], runs["clean"]
+            assert int(poisoned["notfinite"]) == 1, name
+            for a, b in zip(pf.tree.leaves(poisoned["params"]), pf.tree.leaves(clean["params"])):
+                assert torch.equal(a, b), name
+            for a, b in zip(pf.tree.leaves(poisoned["ex"]), pf.tree.leaves(clean["ex"])):
+                assert torch.equal(a, b), name
+            assert int(poisoned["step"]) == int(clean["step"]) + 1 == 6  # the counter counts the skipped step
 
 
 @pytest.mark.slow

@@ -25,8 +25,9 @@ _aten = torch.ops.aten
 
 
 def _collectives(gm) -> list[tuple[str, tuple[int, ...], str]]:
+    """The program's collectives but the 0-d flag of reduce-scatters ("every reduced gradient finite")."""
     return [(analysis.collective_kind(n), tuple(n.args[0].meta["val"].shape), n.meta["custom"].get("pt3func"))
-            for n in gm.graph.nodes if analysis.is_collective(n)]
+            for n in gm.graph.nodes if analysis.is_collective(n) and n.args[0].meta["val"].ndim > 0]
 
 
 def _tag(gm, labels: list[str]) -> None:

@@ -40,6 +40,7 @@ from pt3func.passes.bucketing import plan_buckets, reduction_key
 from pt3func.spmd.lower import GRAD_OF, _human_bytes
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_C10D = torch.ops._c10d_functional
 # Set on every node the pass writes: its collectives still exchange a gradient (tagged GRAD_OF with the leaf, for
 # analyses of gradient traffic), but they are already compressed.
 COMPRESSED = "pt3func_compressed"
@@ -149,6 +150,8 @@ def rewrite(
     members = _members(gm, fmt, binding, name, group_info)
     bucket_bytes = config.grad_exchange_bucket_bytes if bucket_bytes is None else bucket_bytes
     step_in = None if binding is None else [n for n in gm.graph.nodes if n.op == "placeholder"][binding.step_in]
+    reduced: list[fx.Node] = []  # every compressed reduction's result
+    state_updates: list[tuple[int, fx.Node, fx.Node]] = []  # (output position, old value, new value)
     for bucket in _buckets(gm, members, bucket_bytes or 0):
         leaf_fmt = bucket[0].format
         inputs = [m.collective.args[0] for m in bucket] + [n for m in bucket for n in m.state_nodes]
@@ -160,11 +163,13 @@ def rewrite(
         for member, result in zip(bucket, results):
             member.wait.replace_all_uses_with(result)
             outs = [result if o is member.wait else o for o in outs]  # a reduced gradient returned as it is
-            for field_name in member.names:
+            reduced.append(result)
+            for field_name, old_value in zip(member.names, member.state_nodes):
                 new_value = next(new_states)
                 pos = None if member.state_out is None else getattr(member.state_out, field_name)
                 if pos is not None:
                     outs[pos] = new_value
+                    state_updates.append((pos, old_value, new_value))
         for member in bucket:
             gm.graph.erase_node(member.wait)
             gm.graph.erase_node(member.collective)
@@ -180,10 +185,40 @@ def rewrite(
             new_step.meta["val"] = step_in.meta["val"] + 1
             new_step.meta["custom"] = {"pt3func": f"grad_exchange step counter ({fmt.describe()})"}
         outs[binding.step_out] = new_step
+        if reduced:
+            _keep_state_of_non_finite_steps(gm, output_node, outs, reduced, state_updates, members, fmt)
         changed = True
     if changed:
         replace_outputs(gm, outs)
     return gm
+
+
+def _keep_state_of_non_finite_steps(
+    gm: fx.GraphModule, output_node: fx.Node, outs: list[Any], reduced: list[fx.Node],
+    state_updates: list[tuple[int, fx.Node, fx.Node]], members: list[_Member], fmt: Format,
+) -> None:
+    """A step whose reduced gradients are not all finite hands back the exchange state it was given (residuals,
+    PowerSGD's Q; the step counter still counts it, so every rank keeps one schedule): the optimizer skips such a
+    step (`pf.optim.apply_if_finite`), and a NaN residual kept from it would make every later gradient NaN. Every
+    rank decides alike: an all-reduce's result is the same on every rank; reduce-scatters' flags are combined
+    over their groups (one scalar all-reduce each)."""
+    groups = sorted({m.reduction.group_name for m in members if m.reduction.kind == "reduce_scatter"})
+    custom = {"pt3func": f"grad_exchange: state kept when a reduced gradient is not finite ({fmt.describe()})"}
+    (finite,) = _inline(gm, output_node, functools.partial(_all_finite, groups), reduced, custom)
+    with gm.graph.inserting_before(output_node):
+        for pos, old, new in state_updates:
+            kept = gm.graph.call_function(torch.ops.aten.where.self, (finite, new, old))
+            kept.meta["val"] = new.meta["val"]
+            kept.meta["custom"] = dict(custom)
+            outs[pos] = kept
+
+
+def _all_finite(groups: list[str], *reduced: torch.Tensor) -> tuple[torch.Tensor]:
+    flag = torch.stack([torch.isfinite(x).all() for x in reduced]).all()
+    for group in groups:
+        low = _C10D.wait_tensor(_C10D.all_reduce(flag.to(torch.float32), "min", group))
+        flag = low > 0.5
+    return (flag,)
 
 
 def _members(
