@@ -239,3 +239,61 @@ def test_reshard_fsdp4_to_dp2_to_one_process(tmp_path: Path) -> None:
     params, opt = _init_state()
     target = {"params": params, "opt_state": opt.init(params), "step": 0, "scalar": torch.tensor(0.0)}
     assert_tree_equal(CheckpointManager(tmp_path).restore(target=target), expected)
+
+
+def test_restore_refuses_a_target_of_another_dtype(tmp_path):
+    manager = CheckpointManager(tmp_path, async_save=False)
+    manager.save(1, {"w": torch.tensor([1.7, -2.5]), "n": torch.tensor(2**40 + 1)})
+    with pytest.raises(CheckpointError, match=r"leaf 'w' is int32 but .* saved float32"):
+        manager.restore(target={"w": torch.zeros(2, dtype=torch.int32), "n": torch.zeros((), dtype=torch.int64)})
+    with pytest.raises(CheckpointError, match=r"leaf 'n' is float32 but .* saved int64"):
+        manager.restore(target={"w": torch.zeros(2), "n": torch.zeros(())})
+
+
+def test_steps_must_grow_and_be_non_negative(tmp_path):
+    manager = CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
+    manager.save(30, {"w": torch.ones(2)})
+    # Older than the latest: it would be pruned at once (max_to_keep) or shadowed (latest_step, restore()).
+    with pytest.raises(CheckpointError, match="step 25 is older than the latest committed step 30"):
+        manager.save(25, {"w": torch.zeros(2)})
+    for bad in (-1, True, 2.5, "3"):
+        with pytest.raises(CheckpointError, match="a checkpoint step is an int >= 0"):
+            manager.save(bad, {"w": torch.zeros(2)})
+    assert manager.all_steps() == [30]
+    manager.save(30, {"w": torch.zeros(2)})  # the same step again replaces it
+    assert torch.equal(manager.restore()["w"], torch.zeros(2))
+
+
+def test_save_leaves_other_tmp_directories_alone(tmp_path):
+    (tmp_path / "eval_results.tmp-2024").mkdir()
+    (tmp_path / "step_3.tmp-deadbeef").mkdir()  # an unfinished save of ours
+    CheckpointManager(tmp_path, async_save=False).save(4, {"w": torch.ones(2)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_results.tmp-2024", "step_4"]
+
+
+def test_tuple_dict_keys_come_back_without_a_target(tmp_path):
+    manager = CheckpointManager(tmp_path, async_save=False)
+    manager.save(1, {("layer", 0): torch.ones(2), "x": {(1, 2): 3}})
+    out = manager.restore()
+    assert torch.equal(out[("layer", 0)], torch.ones(2)) and out["x"] == {(1, 2): 3}
+
+
+def test_dcp_failures_are_checkpoint_errors(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    manager = CheckpointManager(tmp_path, async_save=False)
+    manager.save(1, {"w": torch.ones(4)})
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(dcp.FileSystemWriter, "write_data", no_space)
+        with pytest.raises(CheckpointError, match="(?s)saving step 2 .* failed .*No space left"):  # not DCP's own
+            manager.save(2, {"w": torch.ones(4)})
+    assert manager.all_steps() == [1]
+    data = next(p for p in (tmp_path / "step_1").iterdir() if p.suffix == ".distcp")
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match="(?s)loading .* failed"):
+        manager.restore(verify=False)

@@ -80,14 +80,18 @@ def _namedtuple_class(name: str, fields: list[str]) -> Callable[..., Any]:
     return collections.namedtuple(qualname.rpartition(".")[2] or "Restored", fields)
 
 
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
 def unflatten(structure: Any, values: dict[str, Any]) -> PyTree:
     """Rebuild the tree that `flatten` described as `structure`, taking each leaf from `values` by key."""
     if structure is None:
         return None
     if isinstance(structure, str):
         return values[structure]
-    if "dict" in structure:
-        return {key: unflatten(child, values) for key, child in structure["dict"]}
+    if "dict" in structure:  # JSON wrote a tuple key as a list
+        return {_hashable(key): unflatten(child, values) for key, child in structure["dict"]}
     if "list" in structure:
         return [unflatten(child, values) for child in structure["list"]]
     if "tuple" in structure:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import uuid
 import warnings
@@ -14,6 +15,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pt3func.checkpointing import keys
 from pt3func.checkpointing import manifest as mf
@@ -100,6 +102,13 @@ class CheckpointManager:
         processes of a real world do; such a save is synchronous (the rank threads' worlds do not reach a
         background thread).
         """
+        original = step
+        try:
+            step = -1 if isinstance(step, bool) else operator.index(step)  # an int, numpy's included
+        except TypeError:
+            step = -1
+        if step < 0:
+            raise CheckpointError(f"a checkpoint step is an int >= 0, got {original!r}")
         flat, structure = keys.flatten(tree)
         mesh = _virtual_mesh(flat.values())
         if mesh is not None:
@@ -109,6 +118,14 @@ class CheckpointManager:
             mesh.run(lambda rank: ranks[rank].save(step, scatter_tree(tree, rank)))
             return
         self.wait()
+        latest = self._broadcast(self.latest_step() if self._rank() == 0 else None)  # rank 0's disk decides
+        if latest is not None and step < latest:
+            # Steps are ordered by number (latest_step, restore(), max_to_keep): an older one saved after a newer
+            # one would be pruned at once or shadowed by the newer one.
+            raise CheckpointError(
+                f"step {step} is older than the latest committed step {latest} in {self.directory}; delete the "
+                f"newer steps' directories (step_N) first, or save into another directory"
+            )
         world = dist.get_world_size() if _distributed() else 1
         manifest = mf.new_manifest(int(step), structure, flat, world)
         state_dict = {key: _unshared_scalar(leaf) for key, leaf in flat.items() if key not in manifest["values"]}
@@ -129,7 +146,7 @@ class CheckpointManager:
                 dcp.save(state_dict, **options)
                 self._commit(None, tmp, manifest)
                 done.set_result(None)
-            except Exception as e:  # raised by wait(), the same way on every rank
+            except _FAILURES as e:  # raised by wait(), the same way on every rank
                 done.set_exception(e)
             self._pending = (int(step), done)
             self.wait()
@@ -159,7 +176,7 @@ class CheckpointManager:
         try:
             pending.result()
             error = None
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
+        except _FAILURES as e:  # noqa: BLE001 - reported to every rank below
             error = f"rank {self._rank()}: {type(e).__name__}: {e}"
         errors = [error]
         if _distributed():
@@ -213,7 +230,7 @@ class CheckpointManager:
         try:
             dcp.load(state_dict, storage_reader=dcp.FileSystemReader(directory), process_group=self._ckpt_group(),
                      no_dist=not _distributed())
-        except Exception as e:
+        except _FAILURES as e:
             raise CheckpointError(f"loading {directory} failed: {type(e).__name__}: {e}") from e
         loaded = {**values, **state_dict}
         if target is None:
@@ -234,6 +251,10 @@ class CheckpointManager:
         if list(leaf.shape) != info["shape"]:
             raise CheckpointError(f"the target's leaf {key!r} has shape {tuple(leaf.shape)} but checkpoint "
                                   f"{directory} saved {tuple(info['shape'])}")
+        dtype = str(leaf.dtype).removeprefix("torch.")
+        if dtype != info["dtype"]:  # DCP would cast silently (float -> int truncates, int64 -> float32 rounds)
+            raise CheckpointError(f"the target's leaf {key!r} is {dtype} but checkpoint {directory} saved "
+                                  f"{info['dtype']}; restore without a target (or with one of that dtype) and cast")
         return torch.empty_like(leaf)  # a DTensor stays a DTensor of the same mesh and placements
 
     def _choose(self, step: int | None, fallback: bool, verify: bool) -> tuple[int, dict[str, Any]] | str:
@@ -276,6 +297,10 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._ckpt_group())
         return box[0]
+
+
+# DCP raises its CheckpointException, a BaseException (not an Exception), for a failure on any rank.
+_FAILURES = (Exception, CheckpointException)
 
 
 def _unshared_scalar(leaf: Any) -> Any:

@@ -29,6 +29,7 @@ FORMAT = "pt3func-checkpoint/1"
 CHECKSUM = "sha256"
 STEP_DIR = re.compile(r"step_(\d+)")
 TMP_MARK = ".tmp-"
+_OURS_TMP = re.compile(r"step_\d+" + re.escape(TMP_MARK))  # only the manager's own: a user's `x.tmp-1` stays
 JSON_TYPES = (bool, int, float, str)  # non-tensor leaves of these types go into the manifest itself
 
 
@@ -52,7 +53,7 @@ def tmp_dirs(directory: Path) -> list[Path]:
     """Directories of unfinished saves (or of deletions a crash interrupted)."""
     if not directory.is_dir():
         return []
-    return [entry for entry in directory.iterdir() if TMP_MARK in entry.name and entry.is_dir()]
+    return [entry for entry in directory.iterdir() if _OURS_TMP.match(entry.name) and entry.is_dir()]
 
 
 def _versions() -> dict[str, str]:
