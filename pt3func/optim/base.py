@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from pt3func import tree as pftree
 
@@ -120,11 +121,25 @@ def global_norm(tree: PyTree) -> torch.Tensor:
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:
-    """A 0-d bool tensor: whether every element of every leaf of `tree` is finite (no NaN, no Inf)."""
+    """A 0-d bool tensor: whether every element of every leaf of `tree` is finite (no NaN, no Inf).
+
+    With DTensor leaves it is a replicated DTensor (on the leaves' mesh). Leaves of one layout are counted
+    together first, so a tree of split and replicated leaves costs one small reduction per layout, not per leaf
+    (and DTensor's `isfinite(x).all()` of a split leaf, a pending product, cannot be stacked with a whole one's)."""
     leaves = pftree.leaves(tree)
     if not leaves:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
+    counts: dict[Any, torch.Tensor] = {}  # non-finite elements per layout: pending sums for split leaves
+    for x in leaves:
+        layout = (id(x.device_mesh), tuple(x.placements)) if isinstance(x, DTensor) else None
+        bad = torch.isfinite(x).logical_not().sum()
+        counts[layout] = bad if layout not in counts else counts[layout] + bad
+    total = None
+    for count in counts.values():
+        if isinstance(count, DTensor):
+            count = count.redistribute(count.device_mesh, [Replicate()] * count.device_mesh.ndim)
+        total = count if total is None else total + count
+    return total == 0
 
 
 def _device_of(tree: PyTree) -> torch.device:
@@ -140,17 +155,27 @@ def _zero_count(params: PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=_device_of(params))
 
 
+def _local_flag(flag: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor flag as the plain tensor every rank holds (itself when plain)."""
+    if isinstance(flag, DTensor) and all(p.is_replicate() for p in flag.placements):
+        return flag.to_local()
+    return flag
+
+
 def _safe_increment(count: torch.Tensor) -> torch.Tensor:
     """`count + 1`, saturating at the largest int32 instead of wrapping around."""
     return torch.where(count < torch.iinfo(torch.int32).max, count + 1, count)
 
 
 def _select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree:
-    """`torch.where(pred, a, b)` leaf by leaf; a traceable stand-in for `if pred: ... else: ...`."""
+    """`torch.where(pred, a, b)` leaf by leaf; a traceable stand-in for `if pred: ... else: ...`. A plain leaf
+    stays plain when `pred` is a replicated DTensor (a 0-d counter must not turn into a DTensor: the next call
+    would be another signature)."""
+    local = _local_flag(pred)
 
     def select(a, b):
         if isinstance(a, torch.Tensor):
-            return torch.where(pred, a, b)
+            return torch.where(pred if isinstance(a, DTensor) else local, a, b)
         return a
 
     return pftree.map(select, on_true, on_false)

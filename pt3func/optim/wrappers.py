@@ -10,12 +10,14 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from pt3func import tree as pftree
 from pt3func.optim.base import (
     GradientTransformation,
     PyTree,
     _device_of,
+    _local_flag,
     _safe_increment,
     _select_tree,
     _zero_count,
@@ -32,6 +34,16 @@ class ApplyIfFiniteState(NamedTuple):
     """0-d int32: steps with non-finite gradients since `init`."""
     inner_state: PyTree
     """The state of the wrapped transformation."""
+
+
+def _like_leaves(flag: torch.Tensor, tree: PyTree) -> torch.Tensor:
+    """`flag` (plain, the same on every rank) as a replicated DTensor on the mesh of `tree`'s DTensors, if any:
+    `torch.where` of DTensor leaves takes no plain condition outside `pf.jit`."""
+    for leaf in pftree.leaves(tree):
+        if isinstance(leaf, DTensor):
+            mesh = leaf.device_mesh
+            return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return flag
 
 
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
@@ -59,15 +71,16 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         )
 
     def update_fn(updates, state, params=None):
-        finite = all_finite(updates)
+        finite = _local_flag(all_finite(updates))  # the counters stay plain 0-d tensors beside DTensor params
         notfinite_count = torch.where(
             finite, torch.zeros_like(state.notfinite_count), _safe_increment(state.notfinite_count)
         )
         total_notfinite = torch.where(finite, state.total_notfinite, _safe_increment(state.total_notfinite))
         apply = finite | (notfinite_count > max_consecutive_errors)
         new_updates, new_inner_state = inner.update(updates, state.inner_state, params)
-        new_updates = pftree.map(lambda u: torch.where(apply, u, torch.zeros_like(u)), new_updates)
-        inner_state = _select_tree(apply, new_inner_state, state.inner_state)
+        new_updates = _select_tree(_like_leaves(apply, new_updates), new_updates,
+                                   pftree.map(torch.zeros_like, new_updates))
+        inner_state = _select_tree(_like_leaves(apply, new_updates), new_inner_state, state.inner_state)
         return new_updates, ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,
