@@ -59,3 +59,25 @@ def apply_if_finite_one_device() -> dict:
         u, s = opt.update(pf.grad(_loss)(p, x), s, p)
         p = pf.optim.apply_updates(p, u)
     return p
+
+
+def zero_by_prefix(rank: int, world: int) -> dict:
+    """ZeRO as the API words it: params whole, the optimizer state annotated P("dp") as one prefix (its 0-d step
+    counter included). Returns the full params after 2 steps and the state's placements."""
+    mesh = pf.make_mesh((world,), ("dp",))
+    opt = pf.optim.adam(0.1)
+    params = {"w": _params()["w"]}
+
+    def step(p, s, x):
+        u, s = opt.update(pf.grad(lambda p, x: (x @ p["w"]).square().mean())(p, x), s, p)
+        return pf.optim.apply_updates(p, u), s
+
+    with pf.set_mesh(mesh):
+        jstep = pf.jit(step, in_shardings=(P(), P("dp"), P()), backend="eager")
+        p = pf.device_put(params, P())
+        s = opt.init(p)
+        for t in range(2):
+            p, s = jstep(p, s, torch.full((2, 4), float(t + 1)))
+        placements = {k: str(getattr(v, "placements", "plain")) for k, v in
+                      (("count", s[0].count), ("mu", s[0].mu["w"]), ("nu", s[0].nu["w"]))}
+    return {"params": pf.device_get(p), "placements": placements}

@@ -359,3 +359,22 @@ def test_apply_if_finite_over_split_and_whole_params():
             assert got["counter_types"] == ["Tensor"], name
             for key in want:
                 torch.testing.assert_close(got["params"][key], want[key])
+
+
+@pytest.mark.slow
+def test_zero_state_annotated_by_one_prefix_spec():
+    from tests import optim_cases
+    from tests.dist import run_world
+
+    opt = optim.adam(0.1)
+    p = {"w": optim_cases._params()["w"]}
+    s = opt.init(p)
+    for t in range(2):
+        x = torch.full((2, 4), float(t + 1))
+        g = {"w": torch.func.grad(lambda w, x: (x @ w).square().mean())(p["w"], x)}
+        u, s = opt.update(g, s, p)
+        p = optim.apply_updates(p, u)
+    for rank_result in run_world(2, optim_cases.zero_by_prefix):
+        torch.testing.assert_close(rank_result["params"]["w"], p["w"])
+        assert rank_result["placements"] == {"count": "(Replicate(),)", "mu": "(Shard(dim=0),)",
+                                             "nu": "(Shard(dim=0),)"}

@@ -43,7 +43,23 @@ def broadcast_shardings(
                                            namespace=NAMESPACE)
     except ValueError as e:
         raise ShardingError(f"the shardings are not a pytree prefix of the value: {e}") from None
-    return paths, leaves, per_leaf, treedef
+    return paths, leaves, _scalars_whole(paths, leaves, per_leaf, shardings), treedef
+
+
+def _scalars_whole(paths: list[tuple], leaves: list[Any], per_leaf: list[Any], shardings: PyTree) -> list[Any]:
+    """A 0-d tensor that gets a split spec from a prefix (`P("dp")` over a whole optimizer state: ZeRO) is kept
+    whole: it has no dim to split (an optimizer's step counter). Given at its own path, the spec still raises."""
+    given = {tuple(path) for path in optree.tree_paths(shardings, is_leaf=_is_sharding, none_is_leaf=True,
+                                                       namespace=NAMESPACE)}
+    out = list(per_leaf)
+    for k, (path, leaf, sharding) in enumerate(zip(paths, leaves, per_leaf)):
+        if not (isinstance(leaf, torch.Tensor) and leaf.ndim == 0) or tuple(path) in given:
+            continue
+        if isinstance(sharding, NamedSharding) and any(d is not None for d in sharding.spec):
+            out[k] = NamedSharding(sharding.mesh, PartitionSpec())
+        elif isinstance(sharding, PartitionSpec) and any(d is not None for d in sharding):
+            out[k] = PartitionSpec()
+    return out
 
 
 def _resolve(sharding: Sharding, path: tuple) -> tuple[Mesh, PartitionSpec] | None:
