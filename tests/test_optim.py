@@ -378,3 +378,17 @@ def test_zero_state_annotated_by_one_prefix_spec():
         torch.testing.assert_close(rank_result["params"]["w"], p["w"])
         assert rank_result["placements"] == {"count": "(Replicate(),)", "mu": "(Shard(dim=0),)",
                                              "nu": "(Shard(dim=0),)"}
+
+
+def test_weight_decay_mask_may_be_a_prefix_of_the_params():
+    params = {"dense": {"w": torch.ones(2, 2), "b": torch.ones(2)}, "norm": {"scale": torch.ones(2)}}
+    grads = pftree.map(torch.zeros_like, params)
+
+    def decayed(mask):
+        opt = optim.add_decayed_weights(0.5, mask)
+        updates, _ = opt.update(grads, opt.init(params), params)
+        return {k: sorted(float(x.flatten()[0]) for x in pftree.leaves(v)) for k, v in updates.items()}
+
+    assert decayed({"dense": True, "norm": False}) == {"dense": [0.5, 0.5], "norm": [0.0]}
+    with pytest.raises(ValueError, match="weight-decay mask is not a pytree prefix of the params"):
+        decayed({"dense": True})

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import optree
 import torch
 
 from pt3func import tree as pftree
@@ -247,7 +248,16 @@ def scale_by_lion(
 
 
 def _resolve_mask(mask: MaskOrFn, params: PyTree) -> PyTree | None:
-    return mask(params) if callable(mask) else mask
+    """The mask with the params' structure; a prefix of it (`{"dense": True, "norm": False}`) covers every leaf
+    below each of its entries, as in optax."""
+    resolved = mask(params) if callable(mask) else mask
+    if resolved is None:
+        return None
+    try:
+        per_leaf = optree.broadcast_prefix(resolved, params, none_is_leaf=False, namespace=pftree.NAMESPACE)
+    except ValueError as e:
+        raise ValueError(f"the weight-decay mask is not a pytree prefix of the params: {e}") from None
+    return pftree.unflatten(pftree.structure(params), per_leaf)
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask: MaskOrFn = None) -> GradientTransformation:
@@ -259,8 +269,8 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: MaskOrFn = None) -> Gra
 
     Args:
         weight_decay: the coefficient.
-        mask: a pytree of Python bools with the params' structure (or a function `params -> mask`);
-            only the parameters marked `True` are decayed. `None` decays all of them.
+        mask: a pytree of Python bools with the params' structure or a prefix of it (or a function
+            `params -> mask`); only the parameters marked `True` are decayed. `None` decays all of them.
 
     Returns:
         A stateless `GradientTransformation`; its `update` needs `params`.
