@@ -32,6 +32,9 @@ benchmarks"):
 - `--selnu B --sel S`: select top-k by |v| / nu^S, nu a rank's EMA (decay B) of its squared gradient.
 - `--iters K`: PowerSGD power iterations per step.
 - `--only RE` / `--skip RE`: compress only the leaves whose path matches (or does not).
+- `--flush N`: every N-th compressed step is dense and also sends every rank's residual (error feedback
+  flushed); `--lr-compressed X`: the learning rate times X once compression starts; `--b1`, `--b2`, `--eps`:
+  Adam's (session 12; `results/compression_sim_session12.json`).
 """
 
 from __future__ import annotations
@@ -87,6 +90,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="top-k: one selection per rank over all compressed leaves at once (k = ratio x their total size)")
     add("--only", default="", help="compress only leaves whose path matches this regex")
     add("--skip", default="", help="leave leaves whose path matches this regex uncompressed")
+    add("--flush", type=int, default=0,
+        help="every N-th compressed step is dense and also sends every rank's residual (EF flushed; 0: never)")
+    add("--lr-compressed", type=float, default=1.0, help="learning rate multiplier from the end of --dense on")
+    add("--b1", type=float, default=B1, help="Adam's b1 (the fp32 run's: 0.9)")
+    add("--b2", type=float, default=B2, help="Adam's b2 (the fp32 run's: 0.95)")
+    add("--eps", type=float, default=EPS, help="Adam's eps (the fp32 run's: 1e-8)")
     add("--steps", type=int, default=300)
     add("--seed", type=int, default=0, help="init seed (the batches stay compression.py's)")
     add("--d-model", type=int, default=128)
@@ -254,8 +263,24 @@ class Sim:
         out[self.wte] = out[self.wte] + exact[0]
         return out
 
+    def flushing(self, t: int) -> bool:
+        a = self.a
+        return a.flush > 0 and a.fmt != "none" and t >= a.dense and (t - a.dense) % a.flush == a.flush - 1
+
+    def exchange_flush(self, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A dense step that also sends (and so empties) every rank's error-feedback residual."""
+        world, out = self.world, []
+        for i in range(len(self.shapes)):
+            out.append(sum(grads[r][i] + self.residual[r][i] for r in range(world)) / world)
+            for r in range(world):
+                self.residual[r][i] = torch.zeros_like(self.residual[r][i])
+        out[self.wte] = out[self.wte] + exact[0]
+        return out
+
     def exchange(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> list[torch.Tensor]:
         a, world = self.a, self.world
+        if self.flushing(t):
+            return self.exchange_flush(grads, exact)
         if a.fmt == "topk" and a.global_topk:
             return self.exchange_global_topk(t, grads, exact)
         out = []
@@ -314,7 +339,8 @@ class Sim:
         if t < warm:
             return a.lr * t / warm
         frac = min(1.0, (t - warm) / max(1, a.steps - warm))
-        return 0.1 * a.lr + 0.9 * a.lr * 0.5 * (1 + math.cos(math.pi * frac))
+        scale = a.lr_compressed if a.fmt != "none" and t >= a.dense else 1.0
+        return scale * (0.1 * a.lr + 0.9 * a.lr * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def clip(self, grads: list[torch.Tensor]) -> float:
         norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))
@@ -330,6 +356,7 @@ class Sim:
             self.params[i] = p - lr * u
 
     def adamw(self, t: int, grads: list[torch.Tensor]) -> None:
+        B1, B2, EPS = self.a.b1, self.a.b2, self.a.eps  # noqa: N806 - the module constants' names
         c, count, frozen = self.clip(grads), t + 1, 0 <= self.a.freeze <= t
         updates = []
         for i, g in enumerate(grads):
@@ -343,7 +370,7 @@ class Sim:
 
     def onebit(self, t: int, grads: list[list[torch.Tensor]], exact: list[torch.Tensor]) -> None:
         """1-bit Adam's compression stage (Tang et al. 2021, Algorithm 1) with this script's compressor."""
-        world = self.world
+        world, (B1, B2, EPS) = self.world, (self.a.b1, self.a.b2, self.a.eps)  # noqa: N806
         if self.v_frozen is None:
             self.v_frozen = [v / (1 - B2**t) for v in self.v]
         mean = [sum(grads[r][i] for r in range(world)) / world for i in range(len(self.shapes))]
