@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from pt3func import tree
 from pt3func._compat import is_plain_shard
 from pt3func.spmd import lower
+from pt3func.spmd.partial_sums import gradients_of
 
 
 def _as_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
@@ -143,7 +144,8 @@ def _value_and_grad_call(
                 # Reduce each gradient the moment the backward produces it (as DDP's buckets do), so
                 # its collective is issued while the rest of the backward still runs.
                 p.register_hook(functools.partial(lower.reduce_gradient, like=p))
-        with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"):
+        shapes = {tuple(p.shape) for p in wrt if isinstance(p, DTensor)}
+        with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"), gradients_of(shapes):
             if value.requires_grad:
                 grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
             else:  # `fn` does not read what is differentiated: zero gradients (below), as torch.func and JAX give

@@ -390,3 +390,68 @@ def nan_batch(rank: int, world: int, layout: str, formats: dict[str, str], steps
             y[0, 0] = float("nan")
             out[name] = {"poisoned": run(clean[:bad] + [(x, y)] + clean[bad:]), "clean": run(clean)}
     return out
+
+
+def reductions_users_write(rank: int, world: int) -> dict:
+    """Gradients whose reduction DTensor once made mid-backward (a tied weight; a data term plus a penalty on
+    the weight), gradients of two arguments, and chain(powersgd, codec)'s error feedback. See test_compress.py."""
+    mesh = pf.make_mesh((world,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    params = {"emb": torch.randn(16, 8, generator=g) * 0.3, "w": torch.randn(8, 8, generator=g) * 0.3}
+    specs = {k: P() for k in params}
+    ids = torch.randint(0, 16, (8,), generator=g)
+    tgt = torch.randint(0, 16, (8,), generator=g)
+
+    def tied(p, ids, tgt):
+        h = torch.tanh(p["emb"][ids] @ p["w"])
+        return torch.nn.functional.cross_entropy(h @ p["emb"].t(), tgt) + 0.01 * (p["w"] ** 2).sum()
+
+    def step(p, ex, ids, tgt):
+        return pf.grad(tied)(p, ids, tgt), ex
+
+    def two_args(a, b, ex, ids, tgt):
+        ga, gb = pf.grad(lambda a, b: tied({"emb": a["x"], "w": b["x"]}, ids, tgt), argnums=(0, 1))(a, b)
+        return ga, gb, ex
+
+    out = {}
+    with pf.set_mesh(mesh):
+        dp = pf.device_put(params, specs)
+        shard = (specs, None, P("dp"), P("dp"))
+        exact = pf.device_get(pf.jit(step, in_shardings=shard, backend="eager")(dp, None, ids, tgt)[0])
+        fmt = C.int8(block=16)
+        jstep = pf.jit(step, in_shardings=shard, grad_exchange=fmt, backend="eager")
+        ex = fmt.init(dp)
+        out["text"] = jstep.lower(dp, ex, ids, tgt).as_text()
+        got, ex = jstep(dp, ex, ids, tgt)
+        got = pf.device_get(got)
+        out["tied"] = {k: {"rel": _rel(got[k], exact[k]),
+                           "residual": float(pf.device_get(ex.leaves[k].residual).abs().max())} for k in params}
+        # Two differentiated arguments: the same numbers as one dict of both, state keyed by argument name.
+        fmt = C.topk(0.25)
+        a, b = {"x": dp["emb"]}, {"x": dp["w"]}
+        j2 = pf.jit(two_args, in_shardings=({"x": P()}, {"x": P()}, None, P("dp"), P("dp")), grad_exchange=fmt,
+                    backend="eager")
+        j1 = pf.jit(step, in_shardings=shard, grad_exchange=fmt, backend="eager")
+        ex2, ex1 = fmt.init({"a": a, "b": b}), fmt.init(dp)
+        diffs = []
+        for _ in range(3):
+            ga, gb, ex2 = j2(a, b, ex2, ids, tgt)
+            g1, ex1 = j1(dp, ex1, ids, tgt)
+            diffs.append(max(float((pf.device_get(ga)["x"] - pf.device_get(g1)["emb"]).abs().max()),
+                             float((pf.device_get(gb)["x"] - pf.device_get(g1)["w"]).abs().max())))
+        out["two_args_diff"] = max(diffs)
+        # chain(powersgd, codec): what was sent plus what is held equals the exact sum (the codec's rounding of Q
+        # is fed back too).
+        for text in ("chain(powersgd(2), int8(block=16))", "chain(powersgd(2), bf16())"):
+            fmt = eval(text, vars(C))  # noqa: S307 - test constants
+            jstep = pf.jit(step, in_shardings=shard, grad_exchange=fmt, backend="eager")
+            ex = fmt.init(dp)
+            sent = {k: torch.zeros_like(v) for k, v in params.items()}
+            for _ in range(4):
+                got, ex = jstep(dp, ex, ids, tgt)
+                for k, v in pf.device_get(got).items():
+                    sent[k] += v
+            held = {k: pf.device_get(ex.leaves[k].residual).sum(0) for k in params if
+                    ex.leaves[k].residual is not None}
+            out[text] = max(_rel(sent[k] + held[k], 4 * exact[k]) for k in held)
+    return out

@@ -327,6 +327,20 @@ def test_fsdp_tp_and_two_rank_worlds():
 
 
 @pytest.mark.slow
+def test_reductions_users_write_are_compressed():
+    r = run_world(2, cc.reductions_users_write)[0]
+    # A tied embedding (lookup + head) and a weight with a penalty in the loss: DTensor reduced their gradient
+    # mid-backward, uncompressed (error 0, residual 0); now both go through int8 with error feedback.
+    for leaf, got in r["tied"].items():
+        assert 1e-4 < got["rel"] < 3e-2 and got["residual"] > 0, (leaf, got)
+    assert "grad of 2 leaves in one bucket" in r["text"]
+    # Two arguments' ['x'] shared one residual before.
+    assert r["two_args_diff"] == 0.0
+    for text in ("chain(powersgd(2), int8(block=16))", "chain(powersgd(2), bf16())"):
+        assert r[text] < 1e-5, (text, r[text])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "fsdp2"])
 def test_a_skipped_non_finite_step_leaves_the_exchange_state_as_it_was(layout):
     # apply_if_finite skips a NaN batch; the exchange must not keep a NaN residual (every later step would be NaN)

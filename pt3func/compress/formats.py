@@ -619,11 +619,14 @@ class PowerSGD(Format):
         p = self._sum(m @ q, step, r, 0)
         p = torch.linalg.qr(p).Q  # every rank orthogonalises the same summed P
         q_local = m.t() @ p
-        q_sum = self._sum(q_local, step, r, 1)
+        if residual is not None and self.codec is not None:
+            q_sum, q_sent = self._sum_sent(q_local, step, r)
+        else:
+            q_sum, q_sent = self._sum(q_local, step, r, 1), q_local
         approx = p @ q_sum.t()
         new = {}
         if residual is not None:
-            new["residual"] = (m - p @ q_local.t()).view(residual.shape)
+            new["residual"] = (m - p @ q_sent.t()).view(residual.shape)
         if self.warm_start:
             new["q"] = q_sum
         if r.op == "avg":
@@ -632,6 +635,17 @@ class PowerSGD(Format):
         if r.kind == "reduce_scatter":
             flat = flat.view(r.world, -1)[r.rank]
         return flat.view(r.out_shape).to(x.dtype), new
+
+    def _sum_sent(self, q: torch.Tensor, step: torch.Tensor | None, r: Reduction) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q's sum through the codec, and the part of it this rank is answerable for: its own Q less its rounding
+        error, less the error of re-encoding the chunk of the sum it owns (the delivered sum is the ranks' parts
+        summed). Error feedback keeps `m - p @ part.t()`, so the codec's rounding is fed back as well."""
+        rq = replace(r, kind="all_reduce", op="sum", out_shape=tuple(q.shape), seed=r.seed * 3 + 1)
+        m, c = _chunk(q.numel(), r.world, self.codec.align)
+        summed, error, server = two_phase(self.codec, q, torch.zeros_like(q), q.new_zeros(c), step, rq)
+        owned = q.new_zeros(r.world, c)
+        owned[r.rank] = server.reshape(-1)
+        return summed, q - error - _unrows(owned, m, q.numel()).view(q.shape)
 
     def _sum(self, factor: torch.Tensor, step: torch.Tensor | None, r: Reduction, phase: int) -> torch.Tensor:
         if self.codec is None:

@@ -233,11 +233,17 @@ def _members(
     phase = binding.phase if binding is not None else 0
     done: set[str] = set()
     members = []
-    for collective, wait, label in gradient_reductions(gm):
+    reductions = gradient_reductions(gm)
+    # Gradients of several arguments (argnums=(0, 1)): the state is keyed by argument name too, `{"a": a, "b": b}`
+    # (by the path inside the one argument otherwise), so two arguments' `['w']` never share a residual.
+    several = len({_split_label(label)[0] for _, _, label in reductions}) > 1
+    for collective, wait, label in reductions:
         if label in done:  # a second reduction of the same leaf (e.g. over another axis) stays exact
             continue
         done.add(label)
-        _, path = _split_label(label)
+        arg, path = _split_label(label)
+        if several:
+            path = f"[{arg!r}]{path}"
         shape = tuple(collective.args[0].meta["val"].shape)
         leaf_fmt = fmt.resolve(path, shape)
         if leaf_fmt is not None and not set(leaf_fmt.schedule()) <= set(fmt.schedule()):
@@ -265,10 +271,15 @@ def _members(
         for field_name in member.names:
             pos = getattr(state_in, field_name)
             if pos is None:
+                held = ", ".join(sorted(binding.leaves)) if binding is not None else ""
+                hint = (" Gradients of several arguments are reduced here: build the state from a dict of them "
+                        "keyed by the step's parameter names, init({'a': a, 'b': b})." if several else "")
                 raise GradExchangeError(
-                    f"{name}: the ExchangeState has no {field_name} for {label}, which {leaf_fmt.describe()} needs "
-                    f"(gradient of local shape {list(shape)} before its {kind} over {world} ranks). Build the state "
-                    f"with the same format and parameters; on a mesh of several axes pass data_axes= to init."
+                    f"{name}: the ExchangeState has no {field_name} for {label} (looked up as {path}; it holds "
+                    f"{held or 'no leaves'}), which {leaf_fmt.describe()} needs (gradient of local shape "
+                    f"{list(shape)} before its {kind} over {world} ranks). Build the state with the same format and "
+                    f"parameters (DTensors, as the step gets them); on a mesh of several axes pass data_axes= to "
+                    f"init.{hint}"
                 )
             node = placeholders[pos]
             have = tuple(node.meta["val"].shape[1:])

@@ -58,7 +58,7 @@ def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
     """DTensor's choice of strategy for an addition, among those that reduce its partial operand and leave the
     whole operands as they are (else among those that at least make no operand partial)."""
     if getattr(_state, "depth", 0) and op_schema is not None and op_schema.op in _ADDITIONS \
-            and _mixes_partial_and_whole(op_schema):
+            and _mixes_partial_and_whole(op_schema) and not _accumulates_a_gradient(op_schema):
         for keep in (_reduces_into_whole_operand, _makes_no_operand_partial):
             kept = [spec for spec in strategy.strategies if keep(spec, op_schema)]
             if kept:
@@ -66,6 +66,31 @@ def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
                     strategy = type(strategy)(kept)
                 break
     return original(strategy, op_schema)
+
+
+@contextlib.contextmanager
+def gradients_of(shapes: set[tuple[int, ...]]) -> Iterator[None]:
+    """While a backward computes the gradients of parameters of these (global) shapes: an addition of such a
+    shape is taken to accumulate a parameter's gradient (a tied weight's two uses; a data term's partial
+    gradient plus a penalty's whole one) and keeps DTensor's own choice, which leaves the sum pending, so the
+    gradient is reduced once, at the end, where pf.jit(grad_exchange=...) compresses it. Reduced here, mid
+    backward, it went over uncompressed."""
+    previous = getattr(_state, "gradient_shapes", frozenset())
+    _state.gradient_shapes = previous | frozenset(shapes)
+    try:
+        yield
+    finally:
+        _state.gradient_shapes = previous
+
+
+def _accumulates_a_gradient(op_schema: Any) -> bool:
+    shapes = getattr(_state, "gradient_shapes", frozenset())
+    if not shapes:
+        return False
+    meta = getattr(op_schema.args_spec[0], "tensor_meta", None)
+    return meta is not None and tuple(meta.shape) in shapes and \
+        all(getattr(spec, "tensor_meta", None) is not None and spec.tensor_meta.shape == meta.shape
+            for spec in op_schema.args_spec)
 
 
 def _mixes_partial_and_whole(op_schema: Any) -> bool:
