@@ -42,7 +42,7 @@ from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.spmd.partial_sums import reducing_partial_sums
-from pt3func.stages import Compiled, Lowered, Program
+from pt3func.stages import Compiled, Lowered, Program, refuse_donating_captured
 from pt3func.trace import capture
 from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
 from pt3func.trace.signature import (
@@ -158,6 +158,7 @@ class Jitted:
         key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
+            refuse_donating_captured(lowered._program, leaves)  # before Inductor compiles it (AOTAutograd fails)
             compiled = lowered.compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled

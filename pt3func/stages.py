@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from pt3func import analysis, tree
 from pt3func._compat import inductor_output_code
@@ -170,6 +171,8 @@ class Compiled:
             [position[i] for i in tensor_leaves] if all(i in position for i in tensor_leaves) else None
         )
         self._check_overlap = bool(p.donated_leaves)
+        # Tensors the step captured (closure, global): graph constants the program reads at every call.
+        self._captured = _captured_storages(p.graph_module) if p.donated_leaves else {}
         self._input_kinds = [p.input_leaf_kind[i] for i in p.graph_input_leaves]
         self._where = f"jitted '{p.name}'"
         self._warned = False
@@ -277,6 +280,8 @@ class Compiled:
         return out_leaves
 
     def _refuse_donation_overlap(self, leaves: list[Any], inputs: list[Any]) -> None:
+        if self._captured:
+            _check_donation_of_captured(self._program, leaves, self._captured)
         if self._tensor_inputs is not None:
             # The common case, from the program's tensor inputs alone (local tensors: no DTensor dispatch).
             ptrs = [inputs[k].untyped_storage().data_ptr() for k in self._tensor_inputs if inputs[k].numel()]
@@ -300,6 +305,39 @@ def _aliased_graph_inputs(p: Program) -> list[int]:
     """Graph input indices of the donated leaves whose buffers an output reuses."""
     leaves = p.donation.donated_inputs
     return [gi for gi, leaf in enumerate(p.graph_input_leaves) if leaf in leaves]
+
+
+def _captured_storages(gm: fx.GraphModule) -> dict[int, str]:
+    """Storage address -> name of each tensor a program holds as a constant (what its step captured)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor) and value.numel() and not isinstance(value, FakeTensor):
+                out[value.untyped_storage().data_ptr()] = str(node.target)
+    return out
+
+
+def refuse_donating_captured(p: Program, leaves: list[Any]) -> None:
+    """`_check_donation_of_captured` for a program not compiled yet."""
+    if p.donated_leaves:
+        captured = _captured_storages(p.graph_module)
+        if captured:
+            _check_donation_of_captured(p, leaves, captured)
+
+
+def _check_donation_of_captured(p: Program, leaves: list[Any], captured: dict[int, str]) -> None:
+    """Refuse donating a buffer the step also reads as a captured tensor (a closure's or a global's)."""
+    for i in p.donated_leaves:
+        leaf = leaves[i]
+        if isinstance(leaf, torch.Tensor) and leaf.numel():
+            local = getattr(leaf, "_local_tensor", leaf)
+            if local.untyped_storage().data_ptr() in captured:
+                raise DonationError(
+                    f"{p.name}: donated {p.input_labels[i]} shares its buffer with a tensor the step captures (a "
+                    "closure's or a global's, read by the program at every call): the step would overwrite memory "
+                    "it still reads. Pass that tensor as an argument instead, or do not donate."
+                )
 
 
 def _check_donation_overlap(p: Program, leaves: list[Any]) -> None:

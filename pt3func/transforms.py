@@ -81,6 +81,12 @@ def value_and_grad(
             # Inside torch.func.vmap (pf.vmap) autograd.grad is unavailable; torch.func.grad is the
             # transform that composes there.
             return _functorch_value_and_grad(fn, nums, has_aux, argnums, args, kwargs)
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                f"{getattr(fn, '__name__', fn)}: pf.grad / pf.value_and_grad inside torch.inference_mode(): "
+                "nothing is recorded for a backward there (the gradient would be all zeros); leave inference mode "
+                "(torch.no_grad() is fine: the gradient is computed with grad enabled)"
+            )
         for i in nums:
             if i >= len(args):
                 raise TypeError(

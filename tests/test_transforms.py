@@ -140,3 +140,60 @@ def test_data_dependent_error_names_the_library_line():
     params, apply = pf.functionalize(nn.BatchNorm1d(3, momentum=None).train())
     with pytest.raises(pf.TracingError, match=r"batchnorm\.py:\d+ `.*float\(self\.num_batches_tracked\)"):
         pf.jit(apply.with_updates, backend="eager")(params, torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_autocast_is_part_of_the_signature(backend):
+    w = torch.randn(4, 4)
+    step = pf.jit(lambda x: x @ w, backend=backend)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert step(x).dtype == torch.bfloat16
+    out = step(x)  # outside autocast: another program, in fp32
+    assert out.dtype == torch.float32 and step.trace_count() == 2
+    torch.testing.assert_close(out, x @ w)
+
+
+def test_grad_inside_inference_mode_is_refused():
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inside torch.inference_mode"):
+        pf.grad(lambda w: (w ** 2).sum())(torch.ones(3))
+
+
+def test_static_values_of_other_types_inside_containers_are_other_programs():
+    from collections import namedtuple
+
+    cfg = namedtuple("cfg", "scale")
+    step = pf.jit(lambda x, c: x * c.scale, static_argnums=1, backend="eager")
+    x = torch.full((1,), 200, dtype=torch.uint8)
+    assert step(x, cfg(2)).dtype == torch.uint8
+    out = step(x, cfg(2.0))
+    assert out.dtype == torch.float32 and float(out) == 400.0 and step.trace_count() == 2
+
+
+def test_reseeding_inside_a_step_is_refused():
+    def f(x):
+        torch.manual_seed(0)
+        return x + torch.rand(3)
+
+    with pytest.raises(pf.ImpureFunctionError, match=r"manual_seed\(\) inside jitted '.*f'"):
+        pf.jit(f, backend="eager")(torch.zeros(3))
+    torch.manual_seed(0)  # the generator still works after a refused trace
+    torch.rand(1)
+
+
+def test_op_fx_cannot_print_is_a_tracing_error():
+    with pytest.raises(pf.TracingError, match=r"random_\.from"):
+        pf.jit(lambda x: x + torch.empty(3).random_(0, 7), backend="eager")(torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_donating_a_buffer_the_step_captures_is_refused(backend):
+    w = torch.randn(4, 4)
+
+    def step(p, x):
+        return p - 0.1 * (p @ x), (w @ x).sum()
+
+    with pytest.raises(pf.DonationError, match="shares its buffer with a tensor the step captures"):
+        pf.jit(step, donate_argnums=0, backend=backend)(w.view(4, 4), torch.randn(4, 4))
+    p, _ = pf.jit(step, donate_argnums=0, backend=backend)(w.clone(), torch.eye(4))  # a copy is fine
+    torch.testing.assert_close(p, w * 0.9)

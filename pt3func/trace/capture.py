@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
 
-from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError
+from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError, TracingError
 from pt3func.trace.source import (
     describe,
     is_user_file,
@@ -73,6 +73,43 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+_SEEDING = (("torch", "manual_seed"), ("torch.random", "manual_seed"), ("torch", "seed"), ("torch.random", "seed"),
+            ("torch.cuda", "manual_seed"), ("torch.cuda", "manual_seed_all"))
+
+
+@contextlib.contextmanager
+def _no_reseeding(fn_name: str) -> Iterator[None]:
+    """Make `torch.manual_seed` (and friends) called by user code inside the step raise: a trace runs the step's
+    Python once, so the program would not reseed at later calls (its draws would differ from eager's)."""
+    import importlib
+
+    patched = []
+    for module_name, attr in _SEEDING:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr, None)
+        if original is None:
+            continue
+
+        def guarded(*args: object, _original: Callable = original, _attr: str = attr, **kwargs: object) -> object:
+            caller = sys._getframe(1)
+            if is_user_file(caller.f_code.co_filename):
+                raise ImpureFunctionError(
+                    f"{describe(caller.f_code.co_filename, caller.f_lineno)}: {_attr}() inside jitted '{fn_name}' "
+                    "sets the global generator, which happens once while tracing, not at every call. Seed before "
+                    "calling the step (torch.manual_seed(s); step(...) reproduces its draws), or pass a "
+                    "torch.Generator to the random ops."
+                )
+            return _original(*args, **kwargs)
+
+        setattr(module, attr, guarded)
+        patched.append((module, attr, original))
+    try:
+        yield
+    finally:
+        for module, attr, original in patched:
+            setattr(module, attr, original)
 
 
 @contextlib.contextmanager
@@ -160,13 +197,21 @@ def trace(
 ) -> torch.fx.GraphModule:
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
-        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced(), \
-                _RecurrentWithoutOneDNN():
+        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _record_user_frames(), \
+                _dtensor_bookkeeping_untraced(), _RecurrentWithoutOneDNN():
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
                 *example_inputs
             )
+    except SyntaxError as exc:
+        # FX prints each op as Python: an overload named after a keyword (`aten.random_.from`, from
+        # `Tensor.random_(low, high)`) cannot be printed, and make_fx fails in its code generation.
+        raise TracingError(
+            f"in '{fn_name}': torch's FX could not write the traced program as Python at `{(exc.text or '').strip()}` "
+            "(an op overload named after a Python keyword, such as Tensor.random_(from, to)). Use another "
+            "spelling of the op (torch.randint(low, high, shape) for random_(low, high))."
+        ) from None
     except _DATA_DEPENDENT_ERRORS as exc:
         frame = user_frame_in_traceback(exc.__traceback__)
         where = describe(*frame) if frame else f"in '{fn_name}'"

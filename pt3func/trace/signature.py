@@ -106,11 +106,34 @@ def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def static_types(static: tuple) -> tuple:
-    """The types of the static values: `2` and `2.0` are equal and hash alike, but trace different programs."""
+    """What else decides the program besides the leaves: the types of the static values, inside containers too
+    (`2` and `2.0`, `Cfg(2)` and `Cfg(2.0)` are equal and hash alike but trace different programs), and the global
+    modes a trace reads (`torch.autocast`, `torch.inference_mode`): a program traced under autocast casts its
+    matmuls, one traced outside does not."""
+    modes = trace_modes()
     static_pos, static_kw = static
     if not static_pos and not static_kw:
-        return ()
-    return tuple(type(v) for _, v in static_pos) + tuple(type(v) for _, v in static_kw)
+        return modes
+    return modes + tuple(_types_of(v) for _, v in (*static_pos, *static_kw))
+
+
+def _types_of(value: Any) -> Any:
+    leaves = tree.leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return type(value)
+    return (type(value), tuple(type(leaf) for leaf in leaves))
+
+
+def trace_modes() -> tuple:
+    """The global modes that change what a step traces to: autocast per device type (with its dtype) and
+    inference mode. () when none is on, the common case."""
+    modes: tuple = ()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            modes += ((device, torch.get_autocast_dtype(device)),)
+    if torch.is_inference_mode_enabled():
+        modes += ("inference_mode",)
+    return modes
 
 
 def split_static(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple]:
