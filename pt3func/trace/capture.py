@@ -11,6 +11,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -75,6 +76,19 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
             setattr(torch.Tensor, name, original)
 
 
+@contextlib.contextmanager
+def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set each `(owner, name, value)` for the duration; the originals are put back after."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
 _SEEDING = (("torch", "manual_seed"), ("torch.random", "manual_seed"), ("torch", "seed"), ("torch.random", "seed"),
             ("torch.cuda", "manual_seed"), ("torch.cuda", "manual_seed_all"))
 
@@ -103,13 +117,9 @@ def _no_reseeding(fn_name: str) -> Iterator[None]:
                 )
             return _original(*args, **kwargs)
 
-        setattr(module, attr, guarded)
-        patched.append((module, attr, original))
-    try:
+        patched.append((module, attr, guarded))
+    with _attributes_replaced(patched):
         yield
-    finally:
-        for module, attr, original in patched:
-            setattr(module, attr, original)
 
 
 @contextlib.contextmanager
@@ -164,13 +174,9 @@ def _dtensor_bookkeeping_untraced() -> Iterator[None]:
             with unset_fake_temporarily(), disable_proxy_modes_tracing():
                 return _raw(*args, **kwargs)
 
-        setattr(owner, name, untraced)
-        patched.append((owner, name, raw))
-    try:
+        patched.append((owner, name, untraced))
+    with _attributes_replaced(patched):
         yield
-    finally:
-        for owner, name, raw in patched:
-            setattr(owner, name, raw)
 
 
 RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._VariableFunctions.gru,
