@@ -197,3 +197,17 @@ def test_donating_a_buffer_the_step_captures_is_refused(backend):
         pf.jit(step, donate_argnums=0, backend=backend)(w.view(4, 4), torch.randn(4, 4))
     p, _ = pf.jit(step, donate_argnums=0, backend=backend)(w.clone(), torch.eye(4))  # a copy is fine
     torch.testing.assert_close(p, w * 0.9)
+
+
+def test_library_code_formatting_a_traced_tensor_gets_torchs_own_error():
+    # torch's Tensor.__repr__ passes tensor_contents= back to itself; pt3func's print guard refused the keyword
+    # (a TypeError) where a library (optree's structure-mismatch message) formatted a tensor.
+    params = {"w": torch.ones(4), "pos": torch.arange(4)}  # an int buffer in the optimised tree
+    opt = pf.optim.adamw(1e-3)
+
+    def step(p, s):
+        g = pf.grad(lambda p: (p["w"] * p["pos"]).sum())(p)
+        return opt.update(g, s, p)
+
+    with pytest.raises(ValueError, match="Expected None, got FakeTensor"):
+        pf.jit(step, backend="eager")(params, opt.init(params))

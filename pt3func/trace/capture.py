@@ -54,7 +54,7 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
     def guarded(name: str) -> Callable:
         original = originals[name]
 
-        def method(self: torch.Tensor, *args: object) -> str:
+        def method(self: torch.Tensor, *args: object, **kwargs: object) -> str:
             caller = sys._getframe(1)
             if is_user_file(caller.f_code.co_filename):
                 raise ImpureFunctionError(
@@ -63,7 +63,7 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
                     "exist while tracing). Return the value as an output (e.g. in a metrics dict) and print "
                     "it outside the step."
                 )
-            return original(self, *args)
+            return original(self, *args, **kwargs)  # torch's __repr__ passes tensor_contents= back to itself
 
         return method
 
