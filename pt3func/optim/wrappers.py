@@ -78,9 +78,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         total_notfinite = torch.where(finite, state.total_notfinite, _safe_increment(state.total_notfinite))
         apply = finite | (notfinite_count > max_consecutive_errors)
         new_updates, new_inner_state = inner.update(updates, state.inner_state, params)
-        new_updates = _select_tree(_like_leaves(apply, new_updates), new_updates,
-                                   pftree.map(torch.zeros_like, new_updates))
-        inner_state = _select_tree(_like_leaves(apply, new_updates), new_inner_state, state.inner_state)
+        apply = _like_leaves(apply, new_updates)
+        new_updates = _select_tree(apply, new_updates, pftree.map(torch.zeros_like, new_updates))
+        inner_state = _select_tree(apply, new_inner_state, state.inner_state)
         return new_updates, ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,

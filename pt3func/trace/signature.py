@@ -27,13 +27,6 @@ def _normalize(nums: int | Sequence[int], nparams: int | None, what: str) -> fro
     return frozenset(out)
 
 
-def _takes_var_positional(fn: Callable[..., Any]) -> bool:
-    try:
-        return any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return True
-
-
 @dataclass(frozen=True)
 class ArgSpec:
     """Which positional indices / keyword names are static and which are donated."""
@@ -54,19 +47,19 @@ class ArgSpec:
         donate_argnames: str | Sequence[str],
     ) -> ArgSpec:
         try:
-            params = [
-                p
-                for p in inspect.signature(fn).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            ]
+            every = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
-            params = None
+            every = None
+        params = None if every is None else [
+            p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        var_positional = every is None or any(p.kind == p.VAR_POSITIONAL for p in every)
         names = tuple(p.name for p in params) if params is not None else ()
         positional = [p.name for p in params if p.kind != p.KEYWORD_ONLY] if params is not None else []
         nparams = len(positional) if params is not None else None
         s_nums = set(_normalize(static_argnums, nparams, "static_argnums"))
         d_nums = set(_normalize(donate_argnums, nparams, "donate_argnums"))
-        if nparams is not None and not _takes_var_positional(fn):
+        if nparams is not None and not var_positional:
             for what, nums in (("static_argnums", s_nums), ("donate_argnums", d_nums)):
                 beyond = sorted(n for n in nums if n >= nparams)
                 if beyond:  # as in JAX: a silently ignored index would trace the argument (or never donate it)
