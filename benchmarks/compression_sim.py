@@ -35,6 +35,10 @@ benchmarks"):
 - `--flush N`: every N-th compressed step is dense and also sends every rank's residual (error feedback
   flushed); `--lr-compressed X`: the learning rate times X once compression starts; `--b1`, `--b2`, `--eps`:
   Adam's (session 12; `results/compression_sim_session12.json`).
+- `--rank-for 'RE=R;RE=R'` / `--rank-schedule 'STEP:X,...'`: PowerSGD's rank per leaf, and scaled over time
+  (Accordion, Agarwal et al. 2021), to spend rank 4's bytes unevenly (session 13;
+  `results/compression_sim_session13.json`). Each result carries `sent_fraction`: elements a rank sends per step
+  over the leaves' total, averaged over the run and over its compressed steps.
 """
 
 from __future__ import annotations
@@ -96,6 +100,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--b1", type=float, default=B1, help="Adam's b1 (the fp32 run's: 0.9)")
     add("--b2", type=float, default=B2, help="Adam's b2 (the fp32 run's: 0.95)")
     add("--eps", type=float, default=EPS, help="Adam's eps (the fp32 run's: 1e-8)")
+    add("--rank-for", default="",
+        help="powersgd: per-leaf ranks 'REGEX=R;REGEX=R' (first match wins; others --rank), e.g. to spend r4's bytes "
+             "unevenly across leaves")
+    add("--rank-schedule", default="",
+        help="powersgd: 'STEP:X,STEP:X': every leaf's rank times X from STEP on (Accordion, Agarwal et al. 2021: "
+             "more rank in the critical regime, less after, at about the same bytes)")
     add("--steps", type=int, default=300)
     add("--seed", type=int, default=0, help="init seed (the batches stay compression.py's)")
     add("--d-model", type=int, default=128)
@@ -133,6 +143,12 @@ class Sim:
                   for s in self.shapes]
         self.grad_norms: list[float] = []
         self.age: list[torch.Tensor | None] = [None] * self.world  # per rank, global top-k: steps since sent
+        self.rank_for = [(re.compile(k), int(v)) for k, v in
+                         (item.split("=") for item in a.rank_for.split(";") if item)]
+        self.schedule = sorted((int(k), float(v)) for k, v in
+                               (item.split(":") for item in a.rank_schedule.split(",") if item))
+        self.t = 0
+        self.sent: list[float] = []  # per step: elements sent per rank / the leaves' total (fp32 all-reduce: 1)
 
     # -------------------------------------------------------------------------------------------- model
 
@@ -179,10 +195,16 @@ class Sim:
         s = self.shapes[i]
         if len(s) < 2:
             return None
-        rows, cols = s[0], math.prod(s[1:])
-        if self.a.rank >= min(rows, cols) or (rows + cols) * self.a.rank * 2 > rows * cols:
+        rows, cols, rank = s[0], math.prod(s[1:]), self.leaf_rank(i, self.a.dense)
+        if rank >= min(rows, cols) or (rows + cols) * rank * 2 > rows * cols:
             return None
         return rows, cols
+
+    def leaf_rank(self, i: int, t: int) -> int:
+        """PowerSGD's rank for leaf i at step t: --rank-for's (else --rank), times --rank-schedule's factor."""
+        base = next((r for pattern, r in self.rank_for if pattern.search(self.names[i])), self.a.rank)
+        scale = next((x for start, x in reversed(self.schedule) if t >= start), 1.0)
+        return max(1, round(base * scale))
 
     def compressed(self, i: int) -> bool:
         a, name = self.a, self.names[i]
@@ -219,7 +241,12 @@ class Sim:
 
     def powersgd(self, i: int, ms: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(mean approximation, P, each rank's Q) of the ranks' matrices `ms`, warm-started from the last Q."""
-        q = self.q[i]
+        q, rank = self.q[i], self.leaf_rank(i, self.t)
+        if q.shape[1] > rank:  # a lower rank from here on: keep the warm start's leading directions
+            q = q[:, :rank]
+        elif q.shape[1] < rank:  # a higher one: new random directions beside the warm start
+            gen = torch.Generator().manual_seed(1000 * i + self.t)
+            q = torch.cat([q, torch.rand(q.shape[0], rank - q.shape[1], generator=gen) - 0.5], dim=1)
         for _ in range(self.a.iters):
             p = torch.linalg.qr(sum(m @ q for m in ms)).Q
             q_local = [m.t() @ p for m in ms]
@@ -419,7 +446,25 @@ class Sim:
 
     # ------------------------------------------------------------------------------------------------ run
 
+    def sent_fraction(self, t: int) -> float:
+        """Elements each rank sends at step t over the leaves' total (an fp32 all-reduce's: 1)."""
+        a, total = self.a, sum(math.prod(s) for s in self.shapes)
+        if a.fmt == "none" or t < a.dense or self.flushing(t):
+            return 1.0
+        sent = 0
+        for i, s in enumerate(self.shapes):
+            n = math.prod(s)
+            if not self.compressed(i):
+                sent += n
+            elif a.fmt == "topk":
+                sent += 2 * max(1, math.ceil(self.ratio_at(t) * n))  # values and indices
+            else:
+                sent += (s[0] + n // s[0]) * self.leaf_rank(i, t) * a.iters
+        return sent / total
+
     def step(self, t: int, batch: Any) -> None:
+        self.t = t
+        self.sent.append(self.sent_fraction(t))
         grads, exact = self.rank_grads(batch)
         if self.a.onebit and t >= self.a.dense:
             self.onebit(t, grads, exact)
@@ -444,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if (t + 1) % 50 == 0:
             curve.append((t + 1, round(sim.val_loss(val[:4]), 4)))
     out = dict(args=vars(a), val_loss=sim.val_loss(val), val_curve=curve, seconds=time.perf_counter() - start,
+               sent_fraction=sum(sim.sent) / len(sim.sent),
+               sent_fraction_compressed=(sum(sim.sent[a.dense:]) / max(1, len(sim.sent[a.dense:]))),
                grad_norm_by_50=[sum(sim.grad_norms[i:i + 50]) / len(sim.grad_norms[i:i + 50])
                                 for i in range(0, len(sim.grad_norms), 50)])
     print(json.dumps(out), flush=True)
