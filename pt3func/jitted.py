@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -82,9 +83,7 @@ class Jitted:
     ):
         if backend not in BACKENDS:
             raise ValueError(f"pf.jit: unknown backend {backend!r}; choose one of {BACKENDS}")
-        budget_ok = isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
-        if memory_budget is not None and not (budget_ok and 0 <= memory_budget <= 1):
-            raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {memory_budget}")
+        memory_budget = _budget_fraction(memory_budget)
         if grad_exchange is not None and not isinstance(grad_exchange, Format):
             raise TypeError(
                 f"pf.jit: grad_exchange must be a pf.compress format (pf.compress.int8(), ...), got {grad_exchange!r}"
@@ -467,6 +466,23 @@ def _backward_fence(setting: Any) -> Callable[[Any], Any]:
 
     keep_backward_in_backward_pass.__name__ = keep_backward_in_backward.__name__
     return keep_backward_in_backward_pass
+
+
+def _budget_fraction(memory_budget: Any) -> float | None:
+    """`memory_budget` as a float in [0, 1] (any real number type: numpy, a 0-d tensor), or None."""
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (numbers.Real, torch.Tensor)):
+        raise TypeError(
+            f"pf.jit: memory_budget must be a number in [0, 1] or None, got {type(memory_budget).__name__} "
+            f"{memory_budget!r}"
+        )
+    if isinstance(memory_budget, torch.Tensor) and (memory_budget.numel() != 1 or memory_budget.dtype == torch.bool):
+        raise TypeError(f"pf.jit: memory_budget must be a number in [0, 1] or None, got a tensor {memory_budget!r}")
+    fraction = float(memory_budget)
+    if not 0.0 <= fraction <= 1.0:  # NaN fails this too
+        raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {fraction}")
+    return fraction
 
 
 def _hashable(x: Any) -> bool:

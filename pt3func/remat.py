@@ -119,11 +119,13 @@ def _eager_region(fun: Callable[..., Any], policy: Policy, args: tuple, kwargs: 
         return fun(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+    # The user's keyword arguments are bound here: torch's checkpoint would take `debug=`, `context_fn=`,
+    # `preserve_rng_state=`, `determinism_check=` as its own.
+    bound = functools.partial(fun, **kwargs) if kwargs else fun
     if policy.kind == "nothing_saveable":
-        return torch_checkpoint(fun, *args, use_reentrant=False, **kwargs)
-    return torch_checkpoint(
-        _with_eager_policy(fun, policy), *args, use_reentrant=False, context_fn=_selective(policy), **kwargs
-    )
+        return torch_checkpoint(bound, *args, use_reentrant=False)
+    selective = _with_eager_policy(bound, policy)
+    return torch_checkpoint(selective, *args, use_reentrant=False, context_fn=_selective(policy))
 
 
 def _composed() -> bool:

@@ -117,6 +117,12 @@ def plan_budget(gm: fx.GraphModule, budget: float) -> RematPlan:
             long = _long_chains(graph, forward, can, set(keep)) | (heavy - dropped) if ban_long else set()
             dropped -= long
             recompute, cut_bytes = _min_cut(forward, roots, can, set(keep), dropped, long)
+            if not keep and dropped:
+                # Nothing kept: the cut alone is the least that can be saved. Forcing every candidate to be
+                # recomputed can only cost more, e.g. saving a random op's fp32 draw instead of its bool mask.
+                alone, alone_bytes = _min_cut(forward, roots, can, set(), set(), long)
+                if alone_bytes < cut_bytes:
+                    recompute, cut_bytes = alone, alone_bytes
             kept_bytes = cut_bytes + sum(nbytes(k.meta.get("val")) for k in keep)
             if best is None or kept_bytes < best[0]:
                 best = (kept_bytes, recompute)

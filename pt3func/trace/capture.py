@@ -267,6 +267,16 @@ def _is_view(target: object) -> bool:
     return alias is not None and not alias.is_write
 
 
+# Batch-norm kernels that update `running_mean` / `running_var` in place when `training` is true although their
+# schemas carry no `(a!)` annotation: without this, remat recomputes them (a second momentum update of the
+# statistics) and an input written by them is not refused.
+_UNANNOTATED_STAT_WRITERS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
+
+
+def _argument(node: torch.fx.Node, index: int, name: str) -> Any:
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+
+
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Node arguments the op writes in place (from its schema's alias annotations)."""
     schema = getattr(node.target, "_schema", None)
@@ -274,8 +284,11 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
         return []
     out = []
     for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        if not written and schema.name.removeprefix("aten::") in _UNANNOTATED_STAT_WRITERS:
+            written = arg.name in ("running_mean", "running_var") and bool(_argument(node, 5, "training"))
+        if written:
+            value = _argument(node, i, arg.name)
             if isinstance(value, torch.fx.Node):
                 out.append(value)
     return out
