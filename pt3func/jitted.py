@@ -37,7 +37,7 @@ from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
 from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
-from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, scatter_tree
+from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, mesh_of_shardings, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
@@ -102,6 +102,7 @@ class Jitted:
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
+        self._agreed: set = set()  # plain-input signatures the ranks of a process world were checked to agree on
         self._leaf_memo = LeafKeyMemo(leaf_key)  # keys of the leaves the last call returned (and kept valid)
         functools.update_wrapper(self, fn)
 
@@ -149,11 +150,13 @@ class Jitted:
         if get_proxy_mode() is not None:  # called from a step another pf.jit is tracing: inlined, as in jax.jit
             return self.fn(*args, **kwargs)
         if VirtualWorld._installed and not in_rank_thread():
-            vmesh = find_mesh(args, kwargs)
+            vmesh = find_mesh(args, kwargs) or mesh_of_shardings(self.in_shardings, self.out_shardings)
             if vmesh is not None:
                 return virtual_call(vmesh, self, args, kwargs)
         if self.in_shardings is not None:
-            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
+            args = lower.apply_in_shardings(
+                args, self.in_shardings, self._spec.static_argnums, self._spec.param_names, (self.name, self._agreed)
+            )
         key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
@@ -181,11 +184,13 @@ class Jitted:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
         if VirtualWorld._installed and not in_rank_thread():
-            vmesh = find_mesh(args, kwargs)
+            vmesh = find_mesh(args, kwargs) or mesh_of_shardings(self.in_shardings, self.out_shardings)
             if vmesh is not None:  # every rank lowers its own program; rank 0's is shown
                 return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
         if self.in_shardings is not None:
-            args = lower.apply_in_shardings(args, self.in_shardings, self._spec.static_argnums, self._spec.param_names)
+            args = lower.apply_in_shardings(
+                args, self.in_shardings, self._spec.static_argnums, self._spec.param_names, (self.name, self._agreed)
+            )
         key, leaves, treedef, static, _, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
         if lowered is None:
@@ -299,6 +304,7 @@ class Jitted:
             out_specs = _out_sharding_leaves(out_shardings, out, out_treedef)
             paths = _paths_of(out_treedef)
             dtensor_out: dict[int, lower.DTensorMeta] = {}
+            plain_out: dict[int, Any] = {}
             flat_out = []
             for j, leaf in enumerate(out_leaves):
                 if isinstance(leaf, DTensor):
@@ -314,8 +320,11 @@ class Jitted:
                     dtensor_out[j] = lower.DTensorMeta.of(leaf)
                     flat_out.append(leaf.to_local())
                 elif isinstance(leaf, torch.Tensor):
+                    if out_specs[j] is not None:  # placed after each call; checked against its shape now
+                        plain_out[j] = lower.plain_output_sharding(leaf, out_specs[j], paths[j])
                     flat_out.append(leaf)
             out_info["dtensor_out"] = dtensor_out
+            out_info["plain_out"] = plain_out
             out_info["preferred"] = preferred
             return flat_out
 
@@ -426,6 +435,7 @@ class Jitted:
             spec=spec,
             key=key,
             dtensor_out=dtensor_out,
+            plain_out_shardings=out_info["plain_out"],
             notes={**lower.collective_notes(gm), **remat_notes(gm)},
         )
         lowered = Lowered(program, example_inputs)

@@ -19,6 +19,7 @@ from pt3func.passes.donation import DonationPlan
 from pt3func.runtime.backend import compile_program
 from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate
+from pt3func.spmd.lower import place_plain_output
 from pt3func.trace.signature import ArgSpec, leaf_key, split_call, static_types
 
 
@@ -45,6 +46,8 @@ class Program:
     spec: ArgSpec
     key: Any
     dtensor_out: dict[int, Any] = field(default_factory=dict)  # output leaf index -> DTensorMeta
+    # output leaf index -> (NamedSharding, path): a plain output that out_shardings places (each rank its block)
+    plain_out_shardings: dict[int, Any] = field(default_factory=dict)
     notes: dict[fx.Node, str] = field(default_factory=dict)
     cuda_graphs: bool = False  # run by replaying a CUDA graph (runtime/cudagraphs.py)
 
@@ -275,6 +278,8 @@ class Compiled:
             out_leaves[j] = inputs[gi].detach()
         for j, meta in p.dtensor_out.items():
             out_leaves[j] = meta.rebuild(out_leaves[j])
+        for j, (sharding, path) in p.plain_out_shardings.items():
+            out_leaves[j] = place_plain_output(out_leaves[j], sharding, path)
         for i in self._invalidate:
             invalidate(leaves[i], self._where)
         return out_leaves

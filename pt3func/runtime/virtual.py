@@ -313,6 +313,17 @@ def find_mesh(*trees: Any) -> VirtualMesh | None:
     return mesh if isinstance(mesh, VirtualMesh) else None
 
 
+def mesh_of_shardings(*shardings: Any) -> VirtualMesh | None:
+    """The virtual mesh of the first NamedSharding in `shardings` (a jit's in/out_shardings) on one."""
+    from pt3func.sharding.spec import NamedSharding
+
+    for s in shardings:
+        for leaf in tree.leaves(s, is_leaf=lambda x: isinstance(x, NamedSharding)):
+            if isinstance(leaf, NamedSharding) and isinstance(leaf.mesh, VirtualMesh):
+                return leaf.mesh
+    return None
+
+
 def device_put(mesh: VirtualMesh, tree_: Any, shardings: Any) -> Any:
     from pt3func.sharding.put import device_put as put
 

@@ -2,7 +2,13 @@
 
 from pt3func.sharding import op_rules  # noqa: F401  (registers sharding rules DTensor lacks)
 from pt3func.sharding.mesh import Mesh, get_mesh, make_mesh, set_mesh
-from pt3func.sharding.put import device_get, device_put, sharding_of, with_sharding_constraint
+from pt3func.sharding.put import (
+    device_get,
+    device_put,
+    make_array_from_process_local_data,
+    sharding_of,
+    with_sharding_constraint,
+)
 from pt3func.sharding.spec import NamedSharding, P, PartitionSpec, placements_for, spec_from_placements
 from pt3func.sharding.visualize import visualize_sharding
 
@@ -14,6 +20,7 @@ __all__ = [
     "device_get",
     "device_put",
     "get_mesh",
+    "make_array_from_process_local_data",
     "make_mesh",
     "placements_for",
     "set_mesh",

@@ -1,4 +1,5 @@
-"""Moving pytrees onto a mesh and back: `device_put`, `device_get`, `sharding_of`, `with_sharding_constraint`."""
+"""Moving pytrees onto a mesh and back: `device_put`, `device_get`, `sharding_of`, `with_sharding_constraint`,
+`make_array_from_process_local_data`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ def _resolve(sharding: Sharding, path: tuple) -> tuple[Mesh, PartitionSpec] | No
     """The mesh and spec of `sharding` (a P takes the current mesh); None when there is no mesh at all."""
     if isinstance(sharding, NamedSharding):
         return sharding.mesh, sharding.spec
+    if sharding is not None and not isinstance(sharding, PartitionSpec):
+        hint = f"; write P({sharding!r})" if isinstance(sharding, str) else ""
+        raise ShardingError(f"at {keystr(path) or 'the root'}: a sharding is P(...), pf.NamedSharding or None, got "
+                            f"{type(sharding).__name__} {sharding!r}{hint}")
     mesh = get_mesh()
     if mesh is None:
         if sharding is None:
@@ -107,6 +112,41 @@ def device_put(tree: PyTree, shardings: PyTree = None) -> PyTree:
     paths, leaves, per_leaf, treedef = broadcast_shardings(tree, shardings)
     out = [put_leaf(x, s, path, src_data_rank=0) for path, x, s in zip(paths, leaves, per_leaf)]
     return optree.tree_unflatten(treedef, out)
+
+
+def make_array_from_process_local_data(sharding: Sharding, local_data: torch.Tensor) -> DTensor:
+    """The global array whose block on this process is `local_data` (jax.make_array_from_process_local_data).
+
+    For per-rank data in a world of processes (each rank loading its own rows, the DDP habit): every rank
+    passes its own block of the array `sharding` describes (a `NamedSharding`, or a `P` on the current mesh);
+    ranks whose mesh coordinates give the same block pass the same values. The global shape is the block's
+    times the sizes of the axes that split each dim. No communication. A plain tensor given to a sharded step
+    is instead the global value, the same on every rank. On a virtual mesh all ranks are this one process:
+    use `pf.device_put` with the global value.
+    """
+    if not isinstance(local_data, torch.Tensor) or isinstance(local_data, DTensor):
+        raise ShardingError(f"make_array_from_process_local_data: local_data must be a plain tensor, got "
+                            f"{type(local_data).__name__}")
+    resolved = _resolve(sharding if sharding is not None else PartitionSpec(), ())
+    if resolved is None:
+        raise ShardingError("make_array_from_process_local_data needs a mesh: call pf.set_mesh(mesh) or pass "
+                            "pf.NamedSharding(mesh, spec)")
+    mesh, spec = resolved
+    if mesh.virtual:
+        raise ShardingError(f"make_array_from_process_local_data: {mesh!r} is virtual (every rank is this "
+                            "process): pass the global value to pf.device_put instead")
+    spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
+    if len(spec) > local_data.ndim:
+        raise ShardingError(f"make_array_from_process_local_data: spec {spec} has {len(spec)} entries but the "
+                            f"local block has shape {tuple(local_data.shape)}")
+    global_shape = list(local_data.shape)
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            global_shape[dim] *= mesh.axis_size(entry)
+    placements = placements_for(spec, mesh, tuple(global_shape))
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(local_data, mesh.device_mesh, placements, run_check=False,
+                              shape=torch.Size(global_shape), stride=stride)
 
 
 def device_get(tree: PyTree) -> PyTree:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from pt3func import analysis
 from pt3func._compat import dtensor_spec, dtensor_with_spec
+from pt3func.spmd.agreement import check_ranks_agree, multi_process_world
 from pt3func.trace.source import node_location
 
 # A process global, not a ContextVar: on CUDA the autograd engine runs the backward, and so the gradient hooks
@@ -246,22 +247,39 @@ def _human_bytes(n: int) -> str:
 
 
 def apply_in_shardings(
-    args: tuple[Any, ...], in_shardings: Any, static_argnums: frozenset[int], labels: Sequence[str] = ()
+    args: tuple[Any, ...],
+    in_shardings: Any,
+    static_argnums: frozenset[int],
+    labels: Sequence[str] = (),
+    agreed: tuple[str, set] | None = None,
 ) -> tuple[Any, ...]:
     """Place positional arguments as `in_shardings` asks (a per-argument pytree prefix; None keeps as is).
 
     Leaves already placed as asked are passed through untouched (same object), so donation still
-    invalidates the caller's tensors.
+    invalidates the caller's tensors. `agreed` is (the step's name, the input signatures already checked): in
+    a world of processes the ranks' plain tensors are first checked to be the same global values.
     """
     from pt3func.errors import ShardingError
     from pt3func.sharding.put import broadcast_shardings, put_leaf
+    from pt3func.sharding.spec import NamedSharding, PartitionSpec
     from pt3func.tree import keystr, unflatten
 
-    shardings = in_shardings if isinstance(in_shardings, (tuple, list)) else (in_shardings,)
+    if isinstance(in_shardings, (PartitionSpec, NamedSharding)):
+        # One sharding is a pytree prefix of the whole argument tuple (as in JAX): every argument gets it, except
+        # a 0-d tensor argument, which has no dim to split (a learning rate, a step counter) and stays whole.
+        shardings = tuple(None if isinstance(a, torch.Tensor) and a.ndim == 0 else in_shardings for a in args)
+    elif isinstance(in_shardings, (tuple, list)):
+        shardings = in_shardings
+    else:
+        shardings = (in_shardings,)
     if len(shardings) > len(args):
         raise ShardingError(
             f"in_shardings has {len(shardings)} entries but the call passes {len(args)} positional arguments"
         )
+    from pt3func.runtime.virtual import in_rank_thread
+
+    if agreed is not None and multi_process_world() and not in_rank_thread():
+        _check_plain_inputs_agree(args, shardings, static_argnums, labels, agreed)
     out = list(args)
     for i, sharding in enumerate(shardings):
         if sharding is None or i in static_argnums:
@@ -284,6 +302,29 @@ def apply_in_shardings(
     return tuple(out)
 
 
+def _check_plain_inputs_agree(
+    args: tuple, shardings: Sequence[Any], static_argnums: frozenset[int], labels: Sequence[str], agreed: tuple
+) -> None:
+    """Every plain tensor argument of the step, split (shapes must agree) or replicated (values too)."""
+    from pt3func.sharding.put import broadcast_shardings
+    from pt3func.sharding.spec import NamedSharding
+    from pt3func.tree import keystr
+
+    entries = []
+    for i, arg in enumerate(args):
+        if i in static_argnums:
+            continue
+        sharding = shardings[i] if i < len(shardings) else None
+        paths, leaves, per_leaf, _ = broadcast_shardings(arg, sharding)
+        label = labels[i] if labels and i < len(labels) else f"args[{i}]"
+        for path, leaf, s in zip(paths, leaves, per_leaf):
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
+                spec = s.spec if isinstance(s, NamedSharding) else s
+                entries.append((f"{label}{keystr(path)}", leaf, spec is not None and any(d is not None for d in spec)))
+    name, checked = agreed
+    check_ranks_agree(name, entries, checked)
+
+
 def _already_placed(leaf: torch.Tensor, sharding: Any, path: tuple) -> bool:
     from pt3func.sharding.mesh import get_mesh
     from pt3func.sharding.spec import NamedSharding, placements_for
@@ -294,6 +335,41 @@ def _already_placed(leaf: torch.Tensor, sharding: Any, path: tuple) -> bool:
     if mesh is None or mesh.device_mesh is not leaf.device_mesh:
         return False
     return tuple(placements_for(spec, mesh, tuple(leaf.shape), path)) == tuple(leaf.placements)
+
+
+def plain_output_sharding(x: torch.Tensor, sharding: Any, path: tuple) -> tuple[Any, tuple]:
+    """`(NamedSharding, path)` for a plain output (the same value on every rank) that `out_shardings` places.
+
+    Raises ShardingError naming the output when there is no mesh for a P or the spec does not fit its shape.
+    """
+    from pt3func.errors import ShardingError
+    from pt3func.sharding.mesh import get_mesh
+    from pt3func.sharding.spec import NamedSharding, placements_for
+    from pt3func.tree import keystr
+
+    where = f"out_shardings of out{keystr(path)}"
+    if isinstance(sharding, NamedSharding):
+        named = sharding
+    elif get_mesh() is None:
+        raise ShardingError(f"{where}: spec {sharding} needs a mesh; call pf.set_mesh(mesh) or pass "
+                            "pf.NamedSharding(mesh, spec)")
+    else:
+        named = NamedSharding(get_mesh(), sharding)
+    try:
+        placements_for(named.spec, named.mesh, tuple(x.shape), ())  # `where` names the output
+    except ShardingError as exc:
+        raise ShardingError(f"{where}: {exc}") from None
+    return named, path
+
+
+def place_plain_output(x: torch.Tensor, sharding: Any, path: tuple) -> Any:
+    """A plain output placed as out_shardings asks: every rank keeps its own block, no communication."""
+    from pt3func.runtime.virtual import in_rank_thread
+    from pt3func.sharding.put import device_put, put_leaf
+
+    if sharding.mesh.virtual and not in_rank_thread():  # all ranks' blocks, made in this thread
+        return device_put(x, sharding)
+    return put_leaf(x, sharding, path, src_data_rank=None)
 
 
 def output_placements(x: DTensor, sharding: Any, path: tuple) -> tuple:
