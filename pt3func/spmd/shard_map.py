@@ -64,6 +64,10 @@ def _from_local(y: Any, spec: Any, mesh: Mesh, path: tuple) -> Any:
     if not isinstance(y, torch.Tensor):
         return y
     spec = _spec(spec, path)
+    if y.ndim == 0 and not y.requires_grad and all(d is None for d in spec):
+        # A replicated 0-d value nothing differentiates (an optimizer's step counter) stays a plain tensor, as the
+        # plain sharded jit keeps it: fed back into the next call it must not change the step's signature.
+        return y
     if len(spec) > y.ndim:
         raise ShardingError(f"at {keystr(path) or 'the root'}: out spec {spec} is longer than the rank of the "
                             f"output block, shape {tuple(y.shape)}")
@@ -78,6 +82,17 @@ def _from_local(y: Any, spec: Any, mesh: Mesh, path: tuple) -> Any:
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(y, mesh.device_mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=stride)
+
+
+def _specs_of(which: str, what: str, value: Any, specs: PyTree) -> tuple:
+    """broadcast_shardings, with an error that says which specs do not fit what (shapes, not traced values)."""
+    try:
+        return broadcast_shardings(value, specs)
+    except ShardingError:
+        structure = optree.tree_map(lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else x, value,
+                                    none_is_leaf=True)
+        raise ShardingError(f"shard_map {which} {specs!r} is not a pytree prefix of {what}, {structure!r} "
+                            "(tensors shown by shape)") from None
 
 
 def shard_map(f: Callable[..., Any], mesh: Mesh | None = None, in_specs: PyTree = None,
@@ -99,11 +114,11 @@ def shard_map(f: Callable[..., Any], mesh: Mesh | None = None, in_specs: PyTree 
         m = mesh or get_mesh()
         if m is None:
             raise ShardingError("shard_map needs a mesh: pass mesh= or call pf.set_mesh(mesh)")
-        paths, leaves, specs, treedef = broadcast_shardings(args, in_specs)
+        paths, leaves, specs, treedef = _specs_of("in_specs", "the arguments", args, in_specs)
         local = optree.tree_unflatten(treedef, [_to_local(x, s, m, p) for p, x, s in zip(paths, leaves, specs)])
         with bind_axes(m):
             out = f(*local)
-        paths, leaves, specs, treedef = broadcast_shardings(out, out_specs)
+        paths, leaves, specs, treedef = _specs_of("out_specs", "the output", out, out_specs)
         return optree.tree_unflatten(treedef, [_from_local(y, s, m, p) for p, y, s in zip(paths, leaves, specs)])
 
     return wrapped
