@@ -226,8 +226,10 @@ def train(
         if run_metrics is not None and i > 1:  # the first call compiles: not a step time
             run_metrics.step(i, step_time_s=time.perf_counter() - start, loss=losses[-1])
             bar.set_postfix(run_metrics.postfix())  # loss, tokens/s, MFU (with --peak-tflops), comm, memory
-        else:
+        elif timed_steps:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        else:  # the first call compiles: no speed yet
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if i % args.eval_interval == 0 and i != args.steps:
             val_loss = evaluate(eval_step, params, val_batches)  # on every rank: it is collective
             if run_metrics is not None:

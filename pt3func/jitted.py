@@ -532,9 +532,10 @@ def _check_donated_layouts(
         out = outputs[j]
         if i in donated and out is not None and inputs[i].layout != out.layout and inputs[i].layout is not None:
             raise ShardingError(
-                f"{name}: donated input {inputs[i].path} has placements {inputs[i].layout[1]} but its output "
-                f"{out.path} is asked to be {out.layout[1] if out.layout else 'a plain tensor'}; a buffer can only "
-                "be reused by an output with the same sharding. Make out_shardings match in_shardings for "
+                f"{name}: donated input {inputs[i].path} (local shape {tuple(inputs[i].shape)} on mesh "
+                f"{inputs[i].layout[0]}) has placements {inputs[i].layout[1]} but its output {out.path} (local shape "
+                f"{tuple(out.shape)}) is asked to be {out.layout[1] if out.layout else 'a plain tensor'}; a buffer "
+                "can only be reused by an output with the same sharding. Make out_shardings match in_shardings for "
                 "donated state, or do not donate it."
             )
 

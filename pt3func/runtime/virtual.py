@@ -133,7 +133,8 @@ class VirtualMesh(Mesh):
         if not in_rank_thread():
             raise ShardingError(
                 f"{self!r} is virtual: its ranks are threads, so rank-local operations (device_mesh, groups, "
-                "axis_index) exist only inside them; jitted steps, device_put and device_get dispatch there"
+                "axis_index) exist only inside them; jitted steps, device_put and device_get dispatch there. A "
+                "jitted step whose arguments are all plain tensors finds the mesh through pf.set_mesh(mesh)"
             )
         return self._rank_meshes[_LOCAL.rank]
 
