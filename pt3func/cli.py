@@ -26,6 +26,9 @@ RENDEZVOUS_FLAGS = frozenset({
 # torchrun flags that say the "script" is not a file: a module name (-m) or a program on PATH.
 NOT_A_FILE_FLAGS = frozenset({"-m", "--module", "--no-python", "--no_python"})
 
+# Our spellings of the processes per machine (torchrun's --nproc-per-node, plus -n).
+NPROC_FLAGS = ("-n", "--nproc", "--nproc-per-node", "--nproc_per_node")
+
 RUN_EPILOG = """\
 torchrun flags (--nnodes, --node-rank, --rdzv-endpoint, --rdzv-backend, --rdzv-id, --max-restarts,
 --master-addr, --log-dir, -m, ...) may be given before the script and pass through to torchrun;
@@ -51,34 +54,73 @@ def _run_parser() -> argparse.ArgumentParser:
         add_help=False,
         allow_abbrev=False,  # an abbreviation of ours could swallow one of torchrun's flags
     )
-    parser.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", metavar="N",
+    parser.add_argument(*NPROC_FLAGS, dest="nproc", metavar="N",
                         default="1", help="processes to start on this machine (default 1; torchrun also takes "
                         "'gpu', 'cpu', 'auto')")
     parser.add_argument("-h", "--help", action="help", help="show this help and exit")
     return parser
 
 
-def _torchrun_arity() -> dict[str, int]:
-    """How many values each of torchrun's options takes (0 for a switch such as --standalone)."""
-    from torch.distributed.run import get_args_parser
+class _LauncherFlags:
+    """The flags `pt3func run` takes before the script: our -n, and torchrun's (its parser is built on first use:
+    importing torch.distributed.run takes a while)."""
 
-    arity = {}
-    for action in get_args_parser()._actions:
-        for flag in action.option_strings:
-            arity[flag] = 0 if action.nargs == 0 else 1
-    return arity
+    def __init__(self) -> None:
+        self._torchrun: dict[str, argparse.Action] | None = None
+
+    def _options(self) -> dict[str, argparse.Action]:
+        if self._torchrun is None:
+            from torch.distributed.run import get_args_parser
+
+            self._torchrun = {flag: action for action in get_args_parser()._actions for flag in action.option_strings}
+        return self._torchrun
+
+    def action(self, flag: str) -> argparse.Action | None:
+        """torchrun's action for `flag` (or the one flag it abbreviates); None for our -n."""
+        if flag in NPROC_FLAGS:
+            return None
+        options = self._options()
+        if flag in options:
+            return options[flag]
+        matches = {known for known in options if known.startswith(flag) and flag.startswith("--")}
+        if len(matches) == 1:
+            return options[matches.pop()]
+        what = f"ambiguous flag {flag} (could be {', '.join(sorted(matches))})" if matches else f"unknown flag {flag}"
+        raise UsageError(f"{what} before the script; `{PROG} run` takes -n and torchrun's flags there "
+                         "(see `torchrun --help`), and the script's own flags after it")
+
+    def takes_value(self, flag: str) -> bool:
+        """Whether `flag` is known and takes a value (False for a switch such as --standalone, or a stranger)."""
+        return flag in NPROC_FLAGS or (flag in self._options() and self._options()[flag].nargs != 0)
+
+    def split(self, word: str) -> tuple[str, str | None]:
+        """`word` as (flag, the value written into the same word, or None), as argparse reads it:
+        `--flag=value`, `-n=2`, and a short flag with its value glued on, `-n2`."""
+        flag, equals, value = word.partition("=")
+        if equals:
+            return flag, value
+        if not word.startswith("--") and len(word) > 2 and self.takes_value(word[:2]):
+            return word[:2], word[2:]
+        return word, None
 
 
-def _torchrun_flag(flag: str, arity: dict[str, int]) -> str:
-    """`flag` as torchrun's parser reads it: itself, or the one flag it abbreviates."""
-    if flag in arity:
-        return flag
-    matches = {known for known in arity if known.startswith(flag) and flag.startswith("--")}
-    if len(matches) == 1:
-        return matches.pop()
-    what = f"ambiguous flag {flag} (could be {', '.join(sorted(matches))})" if matches else f"unknown flag {flag}"
-    raise UsageError(f"{what} before the script; `{PROG} run` takes -n and torchrun's flags there "
-                     "(see `torchrun --help`), and the script's own flags after it")
+def _looks_like_script(word: str) -> bool:
+    return word.endswith(".py") or Path(word).exists()
+
+
+def _check_value(flag: str, value: str, action: argparse.Action | None) -> None:
+    """Refuse a value the flag cannot take, naming both (a script swallowed as a flag's value included)."""
+    hint = f" (the script? give {flag} its value before the script)" if _looks_like_script(value) else ""
+    if action is None:  # ours: -n
+        if not (value.isdigit() and int(value) > 0) and value not in ("gpu", "cpu", "auto"):
+            raise UsageError(f"{flag} takes a positive number of processes (or gpu, cpu, auto), got {value!r}{hint}")
+        return
+    if action.type in (int, float):
+        try:
+            action.type(value)
+        except ValueError:
+            kind = "an integer" if action.type is int else "a number"
+            raise UsageError(f"{flag} takes {kind}, got {value!r}{hint}") from None
 
 
 def split_run_args(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
@@ -87,7 +129,8 @@ def split_run_args(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
     The script is the first word that is neither a flag nor a flag's value; a lone `--` may stand before it.
     """
     argv = list(argv)
-    arity: dict[str, int] | None = None
+    known = _LauncherFlags()
+    swallowed: tuple[str, str] | None = None  # the last flag that took the next word as its value
     i = 0
     while i < len(argv):
         word = argv[i]
@@ -97,19 +140,34 @@ def split_run_args(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
             return argv[:i], argv[i + 1], argv[i + 2:]
         if not word.startswith("-") or word == "-":
             return argv[:i], word, argv[i + 1:]
-        flag = word.split("=", 1)[0]
-        if flag in ("-n", "--nproc", "--nproc-per-node", "--nproc_per_node"):
-            takes = 1
-        else:
-            arity = arity if arity is not None else _torchrun_arity()
-            takes = arity[_torchrun_flag(flag, arity)]
-        if "=" in word or takes == 0:
+        flag, value = known.split(word)
+        action = known.action(flag)
+        i += 1
+        if action is not None and action.nargs == 0:
+            continue
+        if value is None:
+            if i == len(argv):
+                raise UsageError(f"flag {word} needs a value")
+            value = argv[i]
+            swallowed = (flag, value)
             i += 1
-        elif i + 1 < len(argv):
-            i += 2
-        else:
-            raise UsageError(f"flag {word} needs a value")
-    raise UsageError("no script given; usage: pt3func run [-n N] [torchrun flags...] script.py [script args...]")
+        _check_value(flag, value, action)
+    usage = "usage: pt3func run [-n N] [torchrun flags...] script.py [script args...]"
+    if swallowed is not None and _looks_like_script(swallowed[1]):
+        flag, value = swallowed
+        raise UsageError(f"no script given: {flag} took {value!r} as its value; give {flag} its value before the "
+                         f"script; {usage}")
+    raise UsageError(f"no script given; {usage}")
+
+
+def _check_script(script: str) -> None:
+    """Refuse a script python could not run: it runs a file, or a directory (or zip) holding `__main__.py`."""
+    path = Path(script)
+    if path.is_file() or (path / "__main__.py").is_file():
+        return
+    if path.is_dir():
+        raise UsageError(f"{script} is a directory without __main__.py: nothing to run")
+    raise UsageError(f"no such script: {script}")
 
 
 def torchrun_argv(argv: Sequence[str]) -> list[str]:
@@ -124,36 +182,53 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
         _run_parser().parse_args(["--help"])
     ours, passthrough = _run_parser().parse_known_args(launcher)
     flags = {word.split("=", 1)[0] for word in passthrough if word.startswith("-")}
-    nproc = str(ours.nproc)
-    if not (nproc.isdigit() and int(nproc) > 0) and nproc not in ("gpu", "cpu", "auto"):
-        raise UsageError(f"-n takes a positive number of processes (or gpu, cpu, auto), got {nproc!r}")
-    if not flags & NOT_A_FILE_FLAGS and not Path(script).is_file():
-        raise UsageError(f"no such script: {script}")
+    if not flags & NOT_A_FILE_FLAGS:
+        _check_script(script)
     standalone = [] if flags & RENDEZVOUS_FLAGS else ["--standalone"]
     # `--` keeps torchrun's parser off the script's flags: it matches abbreviations, so a script flag
     # like `--d 64` would otherwise be taken for torchrun's `--duplicate-*-filters`.
-    return [*standalone, "--nproc-per-node", nproc, *passthrough, "--", script, *script_args]
+    return [*standalone, "--nproc-per-node", str(ours.nproc), *passthrough, "--", script, *script_args]
+
+
+def local_processes(args: Sequence[str]) -> int | None:
+    """How many processes torchrun starts on this machine for `args` (torchrun_argv's output); None if it
+    cannot tell (torchrun then reports the bad value itself)."""
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        return determine_local_world_size(args[args.index("--nproc-per-node") + 1])
+    except ValueError:
+        return None
+
+
+def _limit_omp_threads(processes: int | None) -> None:
+    """One OpenMP thread per process when several share this machine's cores: each would otherwise start one
+    thread per core and they would fight over them (torchrun's own rule, without its warning banner). A single
+    process keeps every core, and a user's own OMP_NUM_THREADS always wins."""
+    if processes is not None and processes > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _failure_line(name: str, rank: int | None, exitcode: int) -> str:
+    who = f"{name} (rank {rank})" if rank is not None and rank >= 0 else name
+    return f"{PROG} run: {who} failed (exit status {exitcode}); see the output above"
 
 
 def run(argv: Sequence[str]) -> int:
     """`pt3func run ARGV`: launch with torchrun; the exit status of the first failed process, else 0."""
     args = torchrun_argv(argv)
-    import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    # Processes sharing the CPU would each start one OpenMP thread per core and fight over them.
-    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
-        os.environ["OMP_NUM_THREADS"] = "1"
+    _limit_omp_threads(local_processes(args))
     # With the rendezvous store shared into the workers (torchrun's default), a job restarted by --max-restarts
     # reads the dead workers' addresses and its process group cannot connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun_main(args)
     except ChildFailedError as e:
-        _rank, failure = e.get_first_failure()
-        print(f"{PROG} run: {e.name} failed (exit status {failure.exitcode}); see the output above",
-              file=sys.stderr)
+        rank, failure = e.get_first_failure()
+        print(_failure_line(e.name, rank, failure.exitcode), file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
 

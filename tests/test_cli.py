@@ -19,7 +19,8 @@ TINY = ("--steps 8 --log-interval 2 --batch 8 --seq 16 --d-model 32 --layers 1 -
 ECHO = """\
 import os, sys
 print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} omp={os.environ.get('OMP_NUM_THREADS')} {sys.argv[1:]}")
-sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
+failing = os.environ.get("EXIT_RANK", os.environ["RANK"])  # the rank that exits with EXIT_STATUS (default: all)
+sys.exit(int(os.environ.get("EXIT_STATUS", "0")) if os.environ["RANK"] == failing else 0)
 """
 
 
@@ -68,6 +69,32 @@ def test_usage_errors(argv, message):
         cli.torchrun_argv(argv)
 
 
+def test_short_flag_with_its_value_glued_on(echo):
+    # argparse (and so torchrun) reads `-n2` and `-n=2` as `-n 2`, and `-r3` as torchrun's `--redirects 3`.
+    for spelling in (["-n2"], ["-n=2"], ["--nproc=2"]):
+        assert cli.torchrun_argv([*spelling, str(echo)]) == ["--standalone", "--nproc-per-node", "2", "--", str(echo)]
+    assert cli.torchrun_argv(["-n", "2", "-r3", str(echo)])[3:] == ["-r3", "--", str(echo)]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-restarts"], "--max-restarts takes an integer, got '{script}' (the script? give --max-restarts its value"),
+    (["-n"], "-n takes a positive number of processes (or gpu, cpu, auto), got '{script}' (the script?"),
+    (["-n", "2", "--rdzv-endpoint"], "no script given: --rdzv-endpoint took '{script}' as its value"),
+])
+def test_a_script_taken_for_a_flags_value_names_the_flag(echo, flags, message):
+    with pytest.raises(cli.UsageError, match=re.escape(message.format(script=echo))):
+        cli.torchrun_argv([*flags, str(echo)])
+
+
+def test_a_directory_with_main_runs_like_a_script(tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    with pytest.raises(cli.UsageError, match="directory without __main__.py"):
+        cli.torchrun_argv(["-n", "2", str(app)])
+    (app / "__main__.py").write_text(ECHO)
+    assert cli.torchrun_argv(["-n", "2", str(app), "--x"])[-3:] == ["--", str(app), "--x"]
+
+
 def test_help_and_missing_script_from_the_command_line():
     top = pt3func("--help")
     assert top.returncode == 0 and "run" in top.stdout
@@ -88,12 +115,25 @@ def test_script_args_reach_every_rank_untouched(echo):
     assert "rank 0/2" in done.stdout and "rank 1/2" in done.stdout
 
 
+def _run_without_omp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m pt3func run ARGS` with OMP_NUM_THREADS unset unless `env` sets it."""
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return subprocess.run([sys.executable, "-m", "pt3func", "run", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**clean, **(env or {})}, timeout=120)
+
+
 def test_omp_threads_and_exit_status(echo):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    done = subprocess.run([sys.executable, "-m", "pt3func", "run", "-n", "2", str(echo)], capture_output=True,
-                          text=True, cwd=ROOT, env={**env, "EXIT_STATUS": "3"}, timeout=120)
-    assert "omp=1" in done.stdout
-    assert done.returncode == 3 and "failed (exit status 3)" in done.stderr
+    done = _run_without_omp("-n", "2", str(echo), env={"EXIT_STATUS": "3", "EXIT_RANK": "1"})
+    assert done.stdout.count("omp=1") == 2
+    assert done.returncode == 3 and "(rank 1) failed (exit status 3)" in done.stderr
+
+
+def test_omp_threads_left_alone_for_one_process_or_the_users_own(echo):
+    # One process shares the cores with nobody: torch keeps all of them, as under plain python or torchrun.
+    alone = _run_without_omp(str(echo))
+    assert alone.returncode == 0 and "omp=None" in alone.stdout, alone.stderr
+    mine = _run_without_omp("-n", "2", str(echo), env={"OMP_NUM_THREADS": "2"})
+    assert mine.returncode == 0 and mine.stdout.count("omp=2") == 2, mine.stderr
 
 
 @pytest.mark.slow

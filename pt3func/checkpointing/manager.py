@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pt3func.checkpointing import keys
 from pt3func.checkpointing import manifest as mf
 from pt3func.checkpointing.errors import CheckpointError
+from pt3func.checkpointing.per_rank import check_plain_leaves_agree
 from pt3func.tree import NAMESPACE, PyTree
 
 # DCP warns on every single-process save and load; saving without a process group is what we mean there.
@@ -127,6 +128,8 @@ class CheckpointManager:
                 f"newer steps' directories (step_N) first, or save into another directory"
             )
         world = dist.get_world_size() if _distributed() else 1
+        if world > 1:  # plain leaves are written once: refuse per-rank values before anything is written
+            check_plain_leaves_agree(step, flat, self._ckpt_group())
         manifest = mf.new_manifest(int(step), structure, flat, world)
         state_dict = {key: _unshared_scalar(leaf) for key, leaf in flat.items() if key not in manifest["values"]}
         if self._rank() == 0:

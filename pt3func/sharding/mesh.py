@@ -18,8 +18,6 @@ from pt3func.errors import ShardingError
 
 AxisNames = str | tuple[str, ...]
 
-DEFAULT_TIMEOUT = timedelta(seconds=60)
-
 
 class Mesh:
     """Named axes over every rank of the world: `Mesh(dp=2, tp=4)` is a 2 x 4 grid of ranks, row-major.
@@ -136,8 +134,12 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _ensure_world(timeout: timedelta) -> None:
-    """Start the default process group if nobody has: from torchrun variables, else a world of one."""
+def _ensure_world(timeout: timedelta | None) -> None:
+    """Start the default process group if nobody has: from torchrun variables, else a world of one.
+
+    `timeout=None` leaves torch's own default (30 min for gloo, 10 min for NCCL): a shorter one kills a job whose
+    ranks legitimately wait for one another, e.g. for rank 0's evaluation between two steps.
+    """
     if dist.is_initialized():
         return
     backend = _default_backend()
@@ -179,21 +181,23 @@ def _default_device_type() -> str:
 
 def make_mesh(
     shape: tuple[int, ...],
-    axis_names: tuple[str, ...],
+    axis_names: AxisNames,
     *,
     device_type: str | None = None,
     virtual: bool = False,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
 ) -> Mesh:
     """A mesh of `shape` with named axes over the torch.distributed world.
 
     Starts the default process group when none is running: from torchrun's variables (RANK, WORLD_SIZE,
-    MASTER_ADDR, ...), NCCL if CUDA is available else gloo; without a launcher, a world of one.
-    The mesh must cover the world exactly. Collective: every rank calls it with the same arguments.
-    Calling it again with the same arguments returns the same `Mesh`.
+    MASTER_ADDR, ...), NCCL if CUDA is available else gloo; without a launcher, a world of one. `timeout` is that
+    group's collective timeout (None: torch's default, 30 min for gloo, 10 min for NCCL); it has no effect on a
+    world that is already running. The mesh must cover the world exactly. Collective: every rank calls it with the
+    same arguments. Calling it again with the same arguments returns the same `Mesh`.
+    `axis_names` is a tuple of names, one per axis; a single str names the one axis of a 1-D mesh.
     """
     shape = tuple(int(s) for s in shape)
-    axis_names = tuple(axis_names)
+    axis_names = _axis_name_tuple(shape, axis_names)
     if len(shape) != len(axis_names):
         raise ShardingError(f"mesh shape {shape} has {len(shape)} axes but axis_names {axis_names} name "
                             f"{len(axis_names)}")
@@ -223,6 +227,17 @@ def make_mesh(
     _MESHES[id(mesh.device_mesh)] = mesh
     _MAKE_MESH_CACHE[key] = mesh
     return mesh
+
+
+def _axis_name_tuple(shape: tuple[int, ...], axis_names: AxisNames) -> tuple[str, ...]:
+    """`axis_names` as a tuple; a str is one axis's name, never a sequence of one-letter names."""
+    if not isinstance(axis_names, str):
+        return tuple(axis_names)
+    if len(shape) != 1:
+        # tuple("dp") would be ("d", "p"): a 2-D mesh with axes nobody named.
+        raise ShardingError(f"axis_names {axis_names!r} is a single str, which names one axis, but mesh shape {shape} "
+                            f"has {len(shape)}; pass a tuple of {len(shape)} names, one per axis")
+    return (axis_names,)
 
 
 _CURRENT: ContextVar[Mesh | None] = ContextVar("pt3func_mesh", default=None)
