@@ -471,8 +471,8 @@ def test_errors():
         Policy("save_some")
     with pytest.raises(TypeError, match="must be a string"):
         pf.checkpoint_name(torch.ones(2), 3)
-    for bad in (1.5, -0.1, True, "half"):
-        with pytest.raises(ValueError, match="memory_budget"):
+    for bad, error in ((1.5, ValueError), (-0.1, ValueError), (True, TypeError), ("half", TypeError)):
+        with pytest.raises(error, match="memory_budget"):
             pf.jit(lambda x: x, memory_budget=bad)
     assert pf.remat is pf.checkpoint
     assert repr(CP.save_only_these_names("a")) == "checkpoint_policies.save_only_these_names('a')"

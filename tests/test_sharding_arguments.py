@@ -71,3 +71,12 @@ def test_out_shardings_places_a_plain_output_on_two_ranks():
     results = run_world(2, _plain_output_on_ranks)
     assert results[0] == ["P('dp')", [0.0, 2.0, 4.0, 6.0], [2.0 * i for i in range(8)]]
     assert results[1] == ["P('dp')", [8.0, 10.0, 12.0, 14.0], [2.0 * i for i in range(8)]]
+
+
+def test_a_split_spec_of_a_python_number_is_refused(mesh):
+    refused = r"in_shardings of lr: spec P\('dp'\) splits a Python number"
+    with pf.set_mesh(mesh), pytest.raises(pf.ShardingError, match=refused):
+        pf.jit(lambda x, lr: x * lr, in_shardings=(P("dp"), P("dp")))(torch.ones(4), 0.5)
+    with pf.set_mesh(mesh):  # a bare spec broadcast to every argument leaves the number whole
+        out = pf.jit(lambda x, lr: x * lr, in_shardings=P("dp"))(torch.ones(4), 0.5)
+    assert pf.device_get(out).tolist() == [0.5] * 4

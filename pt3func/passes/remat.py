@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from pt3func.passes.fence import never_after, read_after
-from pt3func.trace.capture import mutated_args
+from pt3func.trace.capture import eliminate_dead_code, mutated_args
 
 REGION_KEY = "pt3func_remat"  # "3" or "1/3" (nested): the checkpoint region a forward node was recorded in
 POLICY_KEY = "pt3func_remat_policy"  # Policy.as_meta() of that (innermost) region
@@ -431,7 +431,7 @@ def apply_remat(gm: fx.GraphModule, plan: RematPlan) -> fx.GraphModule:
         from pt3func.passes.remat_offload import place_offload_ops
 
         place_offload_ops(graph)  # release and prefetch: one region after / before, for overlap
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return gm

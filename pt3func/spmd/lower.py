@@ -267,7 +267,7 @@ def apply_in_shardings(
     if isinstance(in_shardings, (PartitionSpec, NamedSharding)):
         # One sharding is a pytree prefix of the whole argument tuple (as in JAX): every argument gets it, except
         # a 0-d tensor argument, which has no dim to split (a learning rate, a step counter) and stays whole.
-        shardings = tuple(None if isinstance(a, torch.Tensor) and a.ndim == 0 else in_shardings for a in args)
+        shardings = tuple(None if _zero_dim(a) else in_shardings for a in args)
     elif isinstance(in_shardings, (tuple, list)):
         shardings = in_shardings
     else:
@@ -288,6 +288,10 @@ def apply_in_shardings(
         placed = []
         for path, leaf, s in zip(paths, leaves, per_leaf):
             if s is None or not isinstance(leaf, torch.Tensor):
+                if not path and _zero_dim(leaf) and _splits(s):  # a number given a split spec of its own
+                    label = labels[i] if labels and i < len(labels) else f"args[{i}]"
+                    raise ShardingError(f"in_shardings of {label}: spec {s} splits a Python number ({leaf!r}), "
+                                        "which has no dim to split; give it None or P()")
                 placed.append(leaf)
                 continue
             try:
@@ -300,6 +304,18 @@ def apply_in_shardings(
             placed.append(put)
         out[i] = unflatten(treedef, placed)
     return tuple(out)
+
+
+def _zero_dim(x: Any) -> bool:
+    """A 0-d tensor or a Python number: nothing to split."""
+    return (isinstance(x, torch.Tensor) and x.ndim == 0) or isinstance(x, (bool, int, float, complex))
+
+
+def _splits(sharding: Any) -> bool:
+    from pt3func.sharding.spec import NamedSharding
+
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+    return isinstance(spec, tuple) and any(d is not None for d in spec)
 
 
 def _check_plain_inputs_agree(

@@ -1,6 +1,8 @@
 """Torch functions pt3func handles itself while a sharded step is traced (a TorchFunctionMode).
 
 - `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
+- `F.batch_norm` / `F.instance_norm` in training mode: written out in DTensor ops, so the running statistics
+  are updated where the step reads them (`batch_norm.py`).
 - Group normalisation, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded
   inputs: run on each rank's own samples (`per_sample.py`).
 - `F.dropout` (and `dropout1d / 2d / 3d`), `torch.rand_like`, `torch.randn_like` and in-place random fills on
@@ -25,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from pt3func._compat import is_plain_shard
+from pt3func.spmd.batch_norm import batch_norm_exactly, instance_norm_exactly
 from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
 from pt3func.spmd.mean_loss import MEAN_LOSSES, exact_mean
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
@@ -45,6 +48,14 @@ class ShardedTraceOverrides(TorchFunctionMode):
             local = embedding_bag_locally(args, kwargs)
             if local is not None:
                 return local
+        elif func is F.batch_norm:
+            exact = batch_norm_exactly(args, kwargs)
+            if exact is not None:
+                return exact
+        elif func is F.instance_norm:
+            exact = instance_norm_exactly(args, kwargs)
+            if exact is not None:
+                return exact
         elif func is F.group_norm:
             local = group_norm_locally(args, kwargs)
             if local is not None:

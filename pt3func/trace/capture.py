@@ -229,7 +229,7 @@ def trace(
         ) from None
     # DTensor's own bookkeeping (mesh coordinates read with .tolist()) leaves dead scalar reads behind;
     # only values the program uses count.
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
     check_static(gm, fn_name)
     return gm
@@ -292,6 +292,12 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             if isinstance(value, torch.fx.Node):
                 out.append(value)
     return out
+
+
+def eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """FX's dead-code elimination, keeping ops that write an argument their schema does not mark (batch norm's
+    running statistics): a step that returns only the updated statistics (BN recalibration) would lose them."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or bool(mutated_args(n)))
 
 
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:
