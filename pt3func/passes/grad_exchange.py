@@ -68,6 +68,13 @@ class StateBinding:
     phase: int = 0  # the state's phase (format.schedule()): the program is the format's `at(phase)`
 
 
+def _axes_of(group_name: str) -> str:
+    """The mesh axes a process group spans, as as_text() names them ('dp+tp'), for error messages."""
+    from pt3func.spmd.lower import _group_axis_names
+
+    return f"axes {_group_axis_names().get(group_name, group_name)!r}"
+
+
 def default_group_info(group_name: str) -> tuple[int, int]:
     """(size, this process's rank) of the process group registered as `group_name`."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
@@ -286,9 +293,13 @@ def _members(
             if math.prod(have) != math.prod(needed[field_name]):
                 raise GradExchangeError(
                     f"{name}: the {field_name} of {label} in the ExchangeState has local shape {list(have)}, but "
-                    f"the gradient entering its {kind} over {world} ranks needs {list(needed[field_name])} "
-                    f"(gradient shape {list(shape)}). Was the state built for other shardings? Pass the axes that "
-                    f"split the data as init(params, data_axes=...) (now {binding.data_axes})."
+                    f"the gradient entering its {kind} over {world} ranks ({_axes_of(group_name)}) needs "
+                    f"{list(needed[field_name])} (gradient shape {list(shape)}). Was the state built for other "
+                    f"shardings? Pass the axes that split the data as init(params, data_axes=...) (now "
+                    f"{binding.data_axes}). A reduction over more axes than the data's (a replicated parameter "
+                    "after a row-parallel layer is also a pending sum over that layer's axis) cannot keep state: "
+                    "leave that parameter uncompressed, pf.compress.per_leaf(lambda path, shape: None if path == "
+                    f"{path!r} else fmt), or use a stateless format (bf16, fp16)."
                 )
             member.state_nodes.append(node)
             member.stored[field_name] = tuple(node.meta["val"].shape)
