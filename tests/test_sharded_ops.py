@@ -132,3 +132,23 @@ def test_captured_tensors_in_a_sharded_step(mesh):
         got = pf.jit(pf.value_and_grad(loss), in_shardings=(P(), P("dp")))(w, x)
     for a, b in zip(pf.device_get(got), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_convolution_of_a_batch_split_over_two_axes_equals_one_device(transpose):
+    """Data parallel over a whole 2 x 2 mesh (`P(("dp", "tp"))`): DTensor's rule refused two Shard(0)s."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, 3, 3, generator=g) * 0.3, "b": torch.randn(4, generator=g)}
+    if not transpose:
+        params["w"] = params["w"].transpose(0, 1).contiguous()
+    conv = F.conv_transpose2d if transpose else F.conv2d
+    x = torch.randn(8, 3, 5, 5, generator=g)
+
+    def step(p, x):
+        return pf.value_and_grad(lambda p: conv(x, p["w"], p["b"], padding=1).pow(2).mean())(p)
+
+    want = pf.jit(step, backend="eager")(params, x)
+    with pf.set_mesh(pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)):
+        got = pf.device_get(pf.jit(step, in_shardings=(P(), P(("dp", "tp"))), backend="eager")(params, x))
+    for a, b in zip(pf.tree.leaves(got), pf.tree.leaves(want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from pt3func._compat import is_plain_shard
 from pt3func.spmd import lower
+from pt3func.spmd.per_sample import _batch_axes, _local_weight
 
 CONVOLUTIONS = frozenset({F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d})
 _OPERANDS = ("input", "weight", "bias")
@@ -55,6 +56,9 @@ def convolve_in_supported_layout(func: Callable, args: tuple, kwargs: dict) -> A
             where[key] = value
             values[name] = value
             changed = True
+    x = values.get("input")
+    if batched and len(_batch_axes(x, 0)) > 1:
+        return _convolve_each_ranks_samples(func, args, kwargs, operands, values)
     if not changed:
         return None
     dtensors = [v for v in values.values() if isinstance(v, DTensor)]
@@ -63,3 +67,20 @@ def convolve_in_supported_layout(func: Callable, args: tuple, kwargs: dict) -> A
         # replicated convolution as a partial sum, which made it world-size times too large.
         return lower.on_whole_values(func, args, kwargs, dtensors[0].device_mesh)
     return func(*args, **kwargs)
+
+
+def _convolve_each_ranks_samples(func: Callable, args: list, kwargs: dict, operands: dict, values: dict) -> Any:
+    """A batch split over several mesh axes (`P(("dp", "tp"))`), which DTensor's rule refuses: each rank convolves
+    its own samples with the whole weight, whose gradient is then a partial sum over those axes."""
+    x = values["input"]
+    mesh, axes = x.device_mesh, _batch_axes(x, 0)
+    for name, value in values.items():
+        if name == "input" or value is None:
+            continue
+        if not isinstance(value, DTensor):  # made in the step: the global value, the same on every rank
+            value = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        where, key = operands[name]
+        where[key] = _local_weight(value, axes)
+    where, key = operands["input"]
+    where[key] = x.to_local()
+    return DTensor.from_local(func(*args, **kwargs), mesh, x.placements, run_check=False)
