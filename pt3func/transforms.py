@@ -9,18 +9,26 @@ and on sharded values.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.overrides import TorchFunctionMode
 
 from pt3func import tree
 from pt3func._compat import is_plain_shard
+from pt3func.errors import TracingError
+from pt3func.runtime import virtual
 from pt3func.spmd import lower
 from pt3func.spmd.partial_sums import gradients_of
 
@@ -77,9 +85,13 @@ def value_and_grad(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        mesh = _virtual_mesh_of(args, kwargs)
+        if mesh is not None:
+            return virtual.call(mesh, wrapped, args, kwargs)
         if torch._C._functorch.maybe_current_level() is not None:
             # Inside torch.func.vmap (pf.vmap) autograd.grad is unavailable; torch.func.grad is the
             # transform that composes there.
+            args, kwargs = _as_local_blocks((args, kwargs))
             return _functorch_value_and_grad(fn, nums, has_aux, argnums, args, kwargs)
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
@@ -135,12 +147,7 @@ def _value_and_grad_call(
             new_args[i] = sub
         out = fn(*new_args, **kwargs)
         value, aux = out if has_aux else (out, None)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
-            raise TypeError(
-                f"{getattr(fn, '__name__', fn)} must return a scalar tensor to be differentiated, got {got}"
-                + (" (did you mean has_aux=True?)" if isinstance(value, tuple) else "")
-            )
+        _check_scalar(fn, value)
         wrt = [p for p in prepared if _differentiable(p)]
         if (grad_enabled and not create_graph and value.requires_grad and get_proxy_mode() is None
                 and _reaches_other_leaves(value)):
@@ -171,6 +178,24 @@ def _value_and_grad_call(
     return ((value, aux) if has_aux else value), grad_out
 
 
+def _check_scalar(fn: Callable[..., Any], value: Any) -> None:
+    """What is differentiated must be one number: a 0-d tensor, or one of shape [1] (as torch's backward takes)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return
+    name = getattr(fn, "__name__", fn)
+    if isinstance(value, virtual.VirtualArray):
+        raise TypeError(
+            f"{name} returned a virtual mesh's array: it read one that is not among the differentiated function's "
+            "arguments (from its closure), so this thread cannot differentiate it; outside pf.jit pf.grad runs on "
+            "every rank when the virtual arrays are its arguments: pass them as arguments, or call it under pf.jit"
+        )
+    got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
+    raise TypeError(
+        f"{name} must return a scalar tensor to be differentiated, got {got}"
+        + (" (did you mean has_aux=True?)" if isinstance(value, tuple) else "")
+    )
+
+
 def _functorch_value_and_grad(
     fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, argnums: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -185,7 +210,10 @@ def _functorch_value_and_grad(
         for i, sub in zip(nums, tree.unflatten(spec, leaves)):
             new_args[i] = sub
         out = fn(*new_args, **kwargs)
-        return (out[0], (out[0], out[1])) if has_aux else (out, (out,))
+        value = out[0] if has_aux else out
+        _check_scalar(fn, value)
+        # torch.func.grad takes 0-d values only; pf.grad (autograd) also takes one of shape [1]: the same number.
+        return (value.reshape(()), (value, out[1])) if has_aux else (value.reshape(()), (value,))
 
     grads, (value, *aux) = torch.func.grad(flat_fn, argnums=tuple(range(len(positions))), has_aux=True)(
         *[diff_leaves[k] for k in positions]
@@ -210,6 +238,17 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool
     return wrapped
 
 
+def _check_in_axes(in_axes: Any) -> None:
+    """`in_axes` is one entry per positional argument (or one int / None for all). A dict or other pytree is not
+    such a sequence (JAX and torch.func refuse it too); it reached torch.func.vmap as its keys."""
+    if in_axes is None or isinstance(in_axes, (int, tuple, list)):
+        return
+    raise TypeError(
+        f"vmap in_axes must be an int, None, or a tuple (or list) with one entry per positional argument, got "
+        f"{in_axes!r}; for a function of one argument, put its entry in a tuple: in_axes=({in_axes!r},)"
+    )
+
+
 def _leaf_axes(axes: Any, args: tuple[Any, ...]) -> list[int | None]:
     """Broadcast an `in_axes` prefix tree over `args`, one axis (or None) per leaf."""
     if axes is None or isinstance(axes, int):
@@ -219,36 +258,86 @@ def _leaf_axes(axes: Any, args: tuple[Any, ...]) -> list[int | None]:
         if len(per_arg) != len(args):
             raise ValueError(f"vmap in_axes has {len(per_arg)} entries but the function got {len(args)} arguments")
     out: list[int | None] = []
-    for arg, ax in zip(args, per_arg):
+    for position, (arg, ax) in enumerate(zip(args, per_arg)):
         if ax is None or isinstance(ax, int):
             out.extend([ax] * len(tree.leaves(arg)))
-        else:
+            continue
+        try:
             full = optree.tree_broadcast_prefix(ax, arg, none_is_leaf=True, namespace=tree.NAMESPACE)
-            arg_leaves = optree.tree_leaves(arg, none_is_leaf=True, namespace=tree.NAMESPACE)
-            axes_leaves = optree.tree_leaves(full, none_is_leaf=True, namespace=tree.NAMESPACE)
-            out.extend(a for a, leaf in zip(axes_leaves, arg_leaves) if leaf is not None)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"vmap in_axes[{position}] = {ax!r} is not a pytree prefix of argument {position}: "
+                             f"{exc}") from None
+        arg_leaves = optree.tree_leaves(arg, none_is_leaf=True, namespace=tree.NAMESPACE)
+        axes_leaves = optree.tree_leaves(full, none_is_leaf=True, namespace=tree.NAMESPACE)
+        out.extend(a for a, leaf in zip(axes_leaves, arg_leaves) if leaf is not None)
+    bad = [a for a in out if a is not None and not isinstance(a, int)]
+    if bad:
+        raise TypeError(f"vmap in_axes entries must be ints or None, got {bad[0]!r}")
     return out
 
 
-def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness: str = "error") -> Callable[..., Any]:
+def _tensor_axes(fn: Callable[..., Any], in_axes: Any, args: tuple[Any, ...], leaves: list[Any]) -> list[int | None]:
+    """The batch axis of each leaf of `args` (None: unmapped). A Python number given an axis is refused, as JAX
+    does: left unmapped silently, it was the same for every example where the caller meant one per example."""
+    axes = _leaf_axes(in_axes, args)
+    for path, leaf, ax in zip(tree.paths(args), leaves, axes):
+        if ax is not None and isinstance(leaf, numbers.Number):
+            raise ValueError(
+                f"vmap({getattr(fn, '__name__', fn)}): argument args{tree.keystr(path)} is a Python "
+                f"{type(leaf).__name__} ({leaf!r}) with in_axes {ax}, but only a tensor has an axis to map over; give "
+                "it in_axes None (or pass it as a keyword argument) to use it for every example, or pass a tensor"
+            )
+    return [ax if isinstance(leaf, torch.Tensor) else None for ax, leaf in zip(axes, leaves)]
+
+
+def _batch_placeholder(leaves: list[Any], axes: list[int | None], axis_size: int | None) -> torch.Tensor | None:
+    """JAX's `axis_size`: with no mapped input, an empty mapped tensor of `axis_size` rows (the function never sees
+    it) gives torch.func.vmap its batch size; with mapped inputs it must match theirs."""
+    mapped = [(leaf, ax) for leaf, ax in zip(leaves, axes) if ax is not None]
+    if axis_size is None:
+        if not mapped:
+            raise ValueError("vmap needs at least one tensor argument with a batch axis (in_axes are all None), "
+                             "or axis_size=")
+        return None
+    sizes = {leaf.shape[ax] for leaf, ax in mapped if -leaf.ndim <= ax < leaf.ndim}
+    if sizes - {axis_size}:
+        raise ValueError(f"vmap axis_size={axis_size}, but the mapped arguments have {sorted(sizes)} examples")
+    if mapped:
+        return None
+    device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
+    return torch.empty((axis_size, 0), device=device)
+
+
+def vmap(
+    fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness: str = "error",
+    axis_size: int | None = None,
+) -> Callable[..., Any]:
     """Vectorise `fn` over a batch axis, like `jax.vmap`, over pt3func pytrees.
 
-    `in_axes` is an int, None, or a per-argument sequence of pytree prefixes of ints/None; `out_axes`
-    an int, None or a pytree prefix of the output (None: an output the same for every example, returned once;
-    an output that varies over the examples there raises). Keyword arguments are passed to every example
-    unmapped, as `torch.func.vmap` does. Built on `torch.func.vmap`; `randomness` is passed to it.
+    `in_axes` is an int, None, or a per-argument sequence of pytree prefixes of ints/None (a Python number given
+    an axis is refused); `out_axes` an int, None or a pytree prefix of the output (None: an output the same for
+    every example, returned once; an output that varies over the examples there raises). Keyword arguments are
+    passed to every example unmapped, as `torch.func.vmap` does. `axis_size` gives the number of examples where
+    no argument is mapped (each output is then that many copies, or draws with `randomness="different"`). Built
+    on `torch.func.vmap`; `randomness` is passed to it. Virtual arrays outside `pf.jit`: run on every rank.
     """
+    _check_in_axes(in_axes)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        mesh = _virtual_mesh_of(args, kwargs)
+        if mesh is not None:
+            return virtual.call(mesh, wrapped, args, kwargs)
+        args, kwargs = _as_local_blocks((args, kwargs))
         leaves, spec = tree.flatten(args)
-        axes = [ax if isinstance(leaf, torch.Tensor) else None for ax, leaf in zip(_leaf_axes(in_axes, args), leaves)]
-        if all(ax is None for ax in axes):
-            raise ValueError("vmap needs at least one tensor argument with a batch axis (in_axes are all None)")
+        axes = _tensor_axes(fn, in_axes, args, leaves)
+        placeholder = _batch_placeholder(leaves, axes, axis_size)
+        if placeholder is not None:
+            leaves, axes = [*leaves, placeholder], [*axes, 0]
         out_spec: list[Any] = []
 
         def flat_fn(*flat: Any) -> tuple[Any, ...]:
-            out = fn(*tree.unflatten(spec, list(flat)), **kwargs)
+            out = fn(*tree.unflatten(spec, list(flat[:spec.num_leaves])), **kwargs)
             out_leaves, s = tree.flatten(out)
             while tree.adopt_torch_nodes(out_leaves):  # a Hugging Face ModelOutput: its tensors are outputs
                 out_leaves, s = tree.flatten(out)
@@ -257,10 +346,7 @@ def vmap(fn: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, randomness
             return tuple(out_leaves)
 
         vectorised = torch.func.vmap(flat_fn, in_dims=tuple(axes), out_dims=0, randomness=randomness)
-        shards = _vmap_on_shards(leaves, axes)
-        flat_out = None if shards is None else shards(vectorised)
-        if flat_out is None:
-            flat_out = vectorised(*leaves)
+        flat_out = _run_vectorised(vectorised, leaves, axes)
         structure = out_spec[-1]
         out_tree = tree.unflatten(structure, list(flat_out))
         if out_axes == 0:
@@ -295,55 +381,163 @@ def _check_unmapped_outputs(fn: Callable[..., Any], out: Any, out_axes: Any) -> 
             )
 
 
+def _run_vectorised(vectorised: Callable[..., Any], leaves: list[Any], axes: list[int | None]) -> tuple:
+    """`vectorised(*leaves)` on each rank's own examples where that is exact, else over the whole values."""
+    on_shards = _vmap_on_shards(leaves, axes)
+    if on_shards is not None:
+        flat_out = on_shards(vectorised)
+        return vectorised(*leaves) if flat_out is None else flat_out
+    if any(isinstance(leaf, DTensor) for leaf in leaves) or _LOCAL_RUN.get() is not None:
+        return vectorised(*leaves)  # DTensor's own path; or nested in a per-rank run, whose mode stays active
+    # No DTensor argument: every rank maps over every example, so a DTensor read from the closure is needed whole.
+    with _ClosureValuesAsLocalBlocks(mesh=None, batch_dims=frozenset()):
+        return vectorised(*leaves)
+
+
+_LOCAL_RUN: ContextVar[_ClosureValuesAsLocalBlocks | None] = ContextVar("pt3func_vmap_local_run", default=None)
+
+
+class _ClosureValuesAsLocalBlocks(TorchFunctionMode):
+    """While a vmapped function runs on each rank's own examples, a DTensor it reads without being given it (a
+    parameter in its closure) becomes this rank's whole copy of it.
+
+    Left a DTensor, it met the local examples under torch.func.vmap, where DTensor's rules see the unbatched
+    shapes of batched values and failed (`(x @ w.T).sum()`: "Dimension out of range"). Its gradient is that of an
+    unmapped argument: a partial sum over the mesh dims the examples are split along. A split one is gathered
+    first (exact; the function reads it whole).
+    """
+
+    def __init__(self, mesh: Any, batch_dims: frozenset[int]) -> None:
+        super().__init__()
+        self.mesh = mesh  # the examples' mesh; None where the examples are not split
+        self.batch_dims = batch_dims
+        self._copies: dict[int, tuple[DTensor, torch.Tensor]] = {}
+        self._token: Any = None
+
+    def __enter__(self) -> _ClosureValuesAsLocalBlocks:
+        self._token = _LOCAL_RUN.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _LOCAL_RUN.reset(self._token)
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args, kwargs = torch.utils._pytree.tree_map_only(DTensor, self.local_copy, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def local_copy(self, value: DTensor) -> torch.Tensor:
+        known = self._copies.get(id(value))
+        if known is None or known[0] is not value:
+            # Outside torch.func's levels: the value is not batched, and DTensor's to_local has no vmap rule.
+            with temporarily_clear_interpreter_stack():
+                known = (value, self._whole_local_copy(value))
+            self._copies[id(value)] = known
+        return known[1]
+
+    def _whole_local_copy(self, value: DTensor) -> torch.Tensor:
+        mesh = value.device_mesh
+        if self.batch_dims and mesh != self.mesh:
+            raise TracingError(
+                f"vmap: the function reads a DTensor on mesh {mesh} that it was not given, while its examples are "
+                f"split over mesh {self.mesh}; pass that value as an unmapped argument (in_axes None)"
+            )
+        if not all(p.is_replicate() for p in value.placements):
+            value = value.redistribute(mesh, [Replicate()] * mesh.ndim)
+        return value.to_local(grad_placements=_partial_over(self.batch_dims, mesh.ndim))
+
+
+def _as_local_blocks(values: Any) -> Any:
+    """Inside a vmapped function running on each rank's examples, the DTensors among a nested pf.vmap's or
+    pf.grad's arguments (read from the closure) as this rank's whole copies; unchanged elsewhere."""
+    run = _LOCAL_RUN.get()
+    if run is None:
+        return values
+    return tree.map(lambda v: run.local_copy(v) if isinstance(v, DTensor) else v, values)
+
+
+def _partial_over(batch_dims: frozenset[int], ndim: int) -> list[Placement]:
+    """The gradient of a value every rank holds whole, read by each rank's own examples: a sum over their dims."""
+    return [Partial() if d in batch_dims else Replicate() for d in range(ndim)]
+
+
+def _batch_mesh_dims(dtensors: list[tuple[DTensor, int | None]]) -> frozenset[int] | None:
+    """The mesh dims along which the mapped DTensors split their examples; None where an unmapped one is not
+    replicated (split parameters, tensor parallel: DTensor's own path keeps them split)."""
+    dims: set[int] = set()
+    for leaf, ax in dtensors:
+        if ax is None:
+            if not all(p.is_replicate() for p in leaf.placements):
+                return None
+            continue
+        dims.update(d for d, p in enumerate(leaf.placements) if is_plain_shard(p) and p.dim == ax % leaf.ndim)
+    return frozenset(dims)
+
+
+def _examples_split_evenly(leaves: list[Any], axes: list[int | None], mesh: Any, batch_dims: frozenset[int]) -> bool:
+    """Whether every rank gets as many examples: the outputs' global shape is read from one rank's block."""
+    ranks = math.prod(mesh.size(d) for d in batch_dims)
+    return all(leaf.shape[ax] % ranks == 0 for leaf, ax in zip(leaves, axes) if ax is not None)
+
+
+def _local_examples(leaf: Any, ax: int | None, mesh: Any, batch_dims: frozenset[int]) -> Any:
+    """This rank's part of an argument: its own examples of a mapped one, all of an unmapped one."""
+    if not isinstance(leaf, DTensor):
+        if ax is None or not batch_dims:
+            return leaf  # every rank holds all of it, and maps over every example where none is split
+        leaf = DTensor.from_local(leaf, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    elif ax is None:
+        return leaf.to_local(grad_placements=_partial_over(batch_dims, mesh.ndim))
+    # Split like the examples, whole otherwise: labels held whole beside split inputs keep this rank's examples (a
+    # local slice), a value split along its features is gathered (DTensor's rules, under torch.func.vmap, saw the
+    # unbatched shapes of batched values and failed). The gradient goes back to the value's own layout.
+    target = [Shard(ax % leaf.ndim) if d in batch_dims else Replicate() for d in range(mesh.ndim)]
+    if tuple(leaf.placements) != tuple(target):
+        leaf = leaf.redistribute(mesh, target)
+    return leaf.to_local()
+
+
 def _vmap_on_shards(
     leaves: list[Any], axes: list[int | None]
 ) -> Callable[[Callable[..., Any]], tuple | None] | None:
     """vmap over sharded arguments, run on each rank's own examples; None where that is not exact.
 
     torch.func.vmap does not batch DTensor's ops reliably (a gradient inside the vmapped function fails in
-    DTensor's rules). When every mapped DTensor is split only along its mapped axis (the examples) and every
-    unmapped one is replicated, each rank holds whole examples and everything each example reads, so mapping
-    the function over the local examples is exactly the global vmap: the result is split over the same mesh
-    axes, and an unmapped input's gradient is a partial sum over them (each rank's examples contribute theirs).
+    DTensor's rules). When every mapped value is split only along its mapped axis (the examples), alike, and
+    every unmapped one is replicated, each rank holds whole examples and everything each example reads, so
+    mapping the function over the local examples is exactly the global vmap: the result is split over the same
+    mesh axes, and an unmapped input's gradient is a partial sum over them (each rank's examples contribute
+    theirs). Mapped values are brought to that layout first (`_local_examples`); DTensors the function reads
+    from its closure become whole local copies (`_ClosureValuesAsLocalBlocks`). An unmapped DTensor that is
+    not replicated keeps DTensor's own path (None).
     """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
     dtensors = [(leaf, ax) for leaf, ax in zip(leaves, axes) if isinstance(leaf, DTensor)]
     if not dtensors or len({id(leaf.device_mesh) for leaf, _ in dtensors}) != 1:
         return None
     mesh = dtensors[0][0].device_mesh
-    batch_dims: set[int] = set()
-    for leaf, ax in dtensors:
-        for d, p in enumerate(leaf.placements):
-            if ax is not None and is_plain_shard(p) and p.dim == ax % leaf.ndim:
-                batch_dims.add(d)
-            elif not p.is_replicate():
-                return None  # split along something other than the examples, or a pending sum
-    for leaf, ax in zip(leaves, axes):
-        if ax is None:
-            continue
-        if not isinstance(leaf, DTensor):
-            if batch_dims:
-                return None  # a plain mapped tensor holds every example, the DTensors only this rank's
-            continue
-        if any(not isinstance(leaf.placements[d], Shard) for d in batch_dims):
-            return None  # mapped arguments must split their examples alike
-    partial_grad = [Partial() if d in batch_dims else Replicate() for d in range(mesh.ndim)]
-    local = [
-        leaf if not isinstance(leaf, DTensor)
-        else leaf.to_local() if ax is not None
-        else leaf.to_local(grad_placements=partial_grad)
-        for leaf, ax in zip(leaves, axes)
-    ]
+    batch_dims = _batch_mesh_dims(dtensors)
+    if batch_dims is None or not _examples_split_evenly(leaves, axes, mesh, batch_dims):
+        return None
+    local = [_local_examples(leaf, ax, mesh, batch_dims) for leaf, ax in zip(leaves, axes)]
     out_placements = [Shard(0) if d in batch_dims else Replicate() for d in range(mesh.ndim)]
 
     def run(vectorised: Callable[..., Any]) -> tuple | None:
-        outs = vectorised(*local)
+        with _ClosureValuesAsLocalBlocks(mesh, batch_dims):
+            outs = vectorised(*local)
         if any(isinstance(t, DTensor) for t in outs):
-            return None  # the function read a DTensor it was not given (a closure): not per-rank local; retry whole
+            return None  # the function made DTensors of its own: not per-rank local; retry whole
         return tuple(
             DTensor.from_local(t, mesh, out_placements, run_check=False) if isinstance(t, torch.Tensor) else t
             for t in outs
         )
 
     return run
+
+
+def _virtual_mesh_of(args: tuple, kwargs: dict) -> virtual.VirtualMesh | None:
+    """Outside its rank threads, the virtual mesh of the first virtual array among the arguments: the transform
+    then runs in every rank thread on that rank's values, as each process of a real world runs it on its own."""
+    if not virtual.VirtualWorld._installed or virtual.in_rank_thread():
+        return None
+    arrays = tree.leaves((args, kwargs), is_leaf=virtual.is_virtual_leaf)
+    return next((leaf.mesh for leaf in arrays if isinstance(leaf, virtual.VirtualArray)), None)

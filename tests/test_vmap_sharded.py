@@ -33,7 +33,7 @@ def grad_through_vmap(w, x, y):
 
 
 def closure_over_a_dtensor(w, x, y):
-    return pf.vmap(lambda a: a @ w)(x)  # w is read from the closure, not mapped: DTensor's own vmap path
+    return pf.vmap(lambda a: a @ w)(x)  # w is read from the closure, not mapped: each rank's whole copy
 
 
 @pytest.mark.parametrize("fn", [dp_sgd_step, grad_through_vmap, closure_over_a_dtensor])

@@ -2,7 +2,7 @@
 
 Each is a `torch.autograd.Function` whose forward and backward call one `_c10d_functional` op plus
 `wait_tensor`, so it traces into FX graphs as an explicit collective and differentiates under both
-`torch.autograd.grad` and `torch.func.grad`.
+`torch.autograd.grad` and `torch.func.grad`; a vmap rule each lets `pf.vmap` map over them.
 
 Gradient convention (JAX's `shard_map` with `check_rep=False`): the cotangent of a value that is the
 same on every rank of an axis is held *unreduced*: the true cotangent is the sum of the ranks' pieces.
@@ -126,7 +126,23 @@ def _ppermute(x: torch.Tensor, perm: Sequence[tuple[int, int]], axes: _Axes) -> 
         return y.view(x.shape) if src is not None else torch.zeros_like(x)
 
 
-# Differentiable collectives.
+# Differentiable collectives. Each backward applies the transposed collective (so a gradient of a gradient
+# goes through it too), and each has a vmap rule (pf.vmap inside shard_map, per-example gradients included): a
+# collective of a batch of blocks is the same collective on the whole batched block, its dims shifted past the
+# batch dim, once for all the examples.
+
+def _batch_first(x: torch.Tensor, batch_dim: int | None) -> torch.Tensor:
+    return x if batch_dim is None else x.movedim(batch_dim, 0)
+
+
+def _shifted(dim: int, batch_dim: int | None) -> int:
+    """`dim` of one example as a dim of the batched block whose batch dim is first (`_batch_first`)."""
+    return dim if batch_dim is None else dim + 1
+
+
+def _out_dim(batch_dim: int | None) -> int | None:
+    return None if batch_dim is None else 0
+
 
 class _Psum(torch.autograd.Function):
     @staticmethod
@@ -139,7 +155,11 @@ class _Psum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.axes), None
+        return _Psum.apply(grad, ctx.axes), None
+
+    @staticmethod
+    def vmap(info, in_dims, x: torch.Tensor, axes: _Axes):
+        return _Psum.apply(x, axes), in_dims[0]  # elementwise over the block: any batch dim stays where it is
 
 
 class _AllGather(torch.autograd.Function):
@@ -153,7 +173,12 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.dim, ctx.axes), None, None
+        return _PsumScatter.apply(grad, ctx.dim, ctx.axes), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x: torch.Tensor, dim: int, axes: _Axes):
+        b = in_dims[0]
+        return _AllGather.apply(_batch_first(x, b), _shifted(dim, b), axes), _out_dim(b)
 
 
 class _PsumScatter(torch.autograd.Function):
@@ -167,7 +192,12 @@ class _PsumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.axes), None, None
+        return _AllGather.apply(grad, ctx.dim, ctx.axes), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x: torch.Tensor, dim: int, axes: _Axes):
+        b = in_dims[0]
+        return _PsumScatter.apply(_batch_first(x, b), _shifted(dim, b), axes), _out_dim(b)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -181,7 +211,12 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.concat, ctx.split, ctx.axes), None, None, None
+        return _AllToAll.apply(grad, ctx.concat, ctx.split, ctx.axes), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x: torch.Tensor, split: int, concat: int, axes: _Axes):
+        b = in_dims[0]
+        return _AllToAll.apply(_batch_first(x, b), _shifted(split, b), _shifted(concat, b), axes), _out_dim(b)
 
 
 class _Ppermute(torch.autograd.Function):
@@ -195,7 +230,11 @@ class _Ppermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ppermute(grad, tuple((d, s) for s, d in ctx.perm), ctx.axes), None, None
+        return _Ppermute.apply(grad, tuple((d, s) for s, d in ctx.perm), ctx.axes), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x: torch.Tensor, perm: tuple[tuple[int, int], ...], axes: _Axes):
+        return _Ppermute.apply(x, perm, axes), in_dims[0]  # moves whole blocks: any batch dim stays where it is
 
 
 # Public API.
