@@ -44,6 +44,10 @@ def test_the_error_names_the_axes_and_the_way_out(setup):
             step(p, fmt.init(p, data_axes="dp"), x, y)
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch 2.11's DTensor reduces the row-split w2's gradient whole over dp (README, Known limits)",
+)
 def test_per_leaf_leaves_the_head_uncompressed(setup):
     mesh, params, x, y = setup
     fmt = C.per_leaf(lambda path, shape: None if path == "['head']" else C.int8(block=8))

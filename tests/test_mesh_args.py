@@ -34,8 +34,9 @@ def probe(tmp_path: Path) -> Path:
 
 
 def _python(*args: str | Path) -> str:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep a caller's own site dirs
     done = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=180)
+                          env={**os.environ, "PYTHONPATH": path}, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
