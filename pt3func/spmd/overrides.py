@@ -34,32 +34,29 @@ from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm
 from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
 from pt3func.spmd.vocab_embedding import lookup
 
+# Functions rewritten as `rule(args, kwargs)`, which returns None where DTensor's own path is right.
+_RULES: dict[Callable, Callable[[tuple, dict], Any]] = {
+    F.embedding_bag: embedding_bag_locally,
+    F.batch_norm: batch_norm_exactly,
+    F.instance_norm: instance_norm_exactly,
+    F.group_norm: group_norm_locally,
+}
+
 
 class ShardedTraceOverrides(TorchFunctionMode):
     """Active while a sharded step is traced (`jitted._sharded_tracing`); every other function runs as called."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.embedding:
+        rule = _RULES.get(func)
+        if rule is not None:
+            done = rule(args, kwargs)
+            if done is not None:
+                return done
+        elif func is F.embedding:
             lowered = lookup(*args, **kwargs)
             if lowered is not None:
                 return lowered
-        elif func is F.embedding_bag:
-            local = embedding_bag_locally(args, kwargs)
-            if local is not None:
-                return local
-        elif func is F.batch_norm:
-            exact = batch_norm_exactly(args, kwargs)
-            if exact is not None:
-                return exact
-        elif func is F.instance_norm:
-            exact = instance_norm_exactly(args, kwargs)
-            if exact is not None:
-                return exact
-        elif func is F.group_norm:
-            local = group_norm_locally(args, kwargs)
-            if local is not None:
-                return local
         elif func in RANDOM:
             drawn = redraw(func, args, kwargs)
             if drawn is not None:
