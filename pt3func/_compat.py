@@ -22,6 +22,15 @@ all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gat
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+def outside_functorch_levels() -> contextlib.AbstractContextManager:
+    """A block run outside torch.func's transforms (vmap, grad): torch's private
+    `temporarily_clear_interpreter_stack`, the same on torch 2.11 and 2.13 (used where DTensor's to_local, which
+    has no vmap rule, must see an unbatched value)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
+
+
 def is_plain_shard(placement: object) -> bool:
     """True for `Shard(d)`, False for `_StridedShard` (a `Shard` subclass in some versions, not in others)."""
     return type(placement) is Shard

@@ -19,14 +19,13 @@ from typing import Any
 
 import optree
 import torch
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 
 from pt3func import tree
-from pt3func._compat import is_plain_shard
+from pt3func._compat import is_plain_shard, outside_functorch_levels
 from pt3func.errors import TracingError
 from pt3func.runtime import virtual
 from pt3func.spmd import lower
@@ -387,11 +386,18 @@ def _run_vectorised(vectorised: Callable[..., Any], leaves: list[Any], axes: lis
     if on_shards is not None:
         flat_out = on_shards(vectorised)
         return vectorised(*leaves) if flat_out is None else flat_out
-    if any(isinstance(leaf, DTensor) for leaf in leaves) or _LOCAL_RUN.get() is not None:
-        return vectorised(*leaves)  # DTensor's own path; or nested in a per-rank run, whose mode stays active
+    if any(isinstance(leaf, DTensor) for leaf in leaves) or _LOCAL_RUN.get() is not None or not _meshes_exist():
+        # DTensor's own path; or nested in a per-rank run, whose mode stays active; or no DTensor can exist (the
+        # mode below would look at every op's arguments for nothing)
+        return vectorised(*leaves)
     # No DTensor argument: every rank maps over every example, so a DTensor read from the closure is needed whole.
     with _ClosureValuesAsLocalBlocks(mesh=None, batch_dims=frozenset()):
         return vectorised(*leaves)
+
+
+def _meshes_exist() -> bool:
+    """Whether a DTensor can exist at all: it needs a process group (a real world, or a virtual mesh's)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() or virtual.VirtualWorld._installed
 
 
 _LOCAL_RUN: ContextVar[_ClosureValuesAsLocalBlocks | None] = ContextVar("pt3func_vmap_local_run", default=None)
@@ -430,7 +436,7 @@ class _ClosureValuesAsLocalBlocks(TorchFunctionMode):
         known = self._copies.get(id(value))
         if known is None or known[0] is not value:
             # Outside torch.func's levels: the value is not batched, and DTensor's to_local has no vmap rule.
-            with temporarily_clear_interpreter_stack():
+            with outside_functorch_levels():
                 known = (value, self._whole_local_copy(value))
             self._copies[id(value)] = known
         return known[1]
