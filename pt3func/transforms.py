@@ -159,7 +159,7 @@ def _value_and_grad_call(
         shapes = {tuple(p.shape) for p in wrt if isinstance(p, DTensor)}
         with lower.reason(f"backward of value_and_grad({getattr(fn, '__name__', 'fn')})"), gradients_of(shapes):
             if value.requires_grad:
-                grads = torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph) if wrt else ()
+                grads = _autograd_grad(value, wrt, create_graph) if wrt else ()
             else:  # `fn` does not read what is differentiated: zero gradients (below), as torch.func and JAX give
                 grads = (None,) * len(wrt)
     grads_iter = iter(grads)
@@ -175,6 +175,35 @@ def _value_and_grad_call(
     if not create_graph:
         value = value.detach()
     return ((value, aux) if has_aux else value), grad_out
+
+
+def _autograd_grad(value: torch.Tensor, wrt: list[torch.Tensor], create_graph: bool) -> tuple:
+    try:
+        return torch.autograd.grad(value, wrt, allow_unused=True, create_graph=create_graph)
+    except RuntimeError as exc:
+        if not _from_selective_checkpoint(exc):
+            raise
+        raise RuntimeError(
+            f"pf.checkpoint with a selective policy (dots_saveable, save_only_these_names) outside pf.jit runs "
+            f"torch's selective activation checkpoint, which failed in the backward: {exc}. It cannot handle an "
+            "in-place op on a value the policy saves (a matmul output) or a pf.grad taken inside the region. Use "
+            "checkpoint_policies.nothing_saveable outside pf.jit, or call the step under pf.jit, where every "
+            "policy works."
+        ) from exc
+
+
+def _from_selective_checkpoint(exc: RuntimeError) -> bool:
+    """torch's selective checkpoint's own errors: its cache's mutation check, or a recompute that backpropagates a
+    second time (a gradient taken inside the region), raised from torch.utils.checkpoint."""
+    import traceback
+
+    text = str(exc)
+    if "selective activation checkpoint" in text:
+        return True
+    return "backward through the graph a second time" in text and any(
+        frame.filename.endswith(("utils/checkpoint.py", "utils\\checkpoint.py"))
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
 
 
 def _check_scalar(fn: Callable[..., Any], value: Any) -> None:

@@ -121,3 +121,26 @@ def test_memory_budget_takes_any_real_number(budget):
 def test_memory_budget_errors_name_the_value(budget, error, match):
     with pytest.raises(error, match=match):
         pf.jit(lambda x: x * 2, memory_budget=budget)
+
+
+def _inplace_on_matmul(x, w):
+    a = x @ w
+    a.relu_()
+    return (a * 2).tanh()
+
+
+def _grad_inside(x, w):
+    g = pf.grad(lambda x: (torch.tanh(x @ w) ** 3).sum())(x)
+    return torch.sin(g @ w)
+
+
+@pytest.mark.parametrize("region", [_inplace_on_matmul, _grad_inside])
+def test_eager_selective_checkpoint_failures_say_what_to_do(region):
+    """Outside pf.jit, dots_saveable is torch's selective checkpoint, which cannot run these; under pf.jit it can."""
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    dots = pf.checkpoint_policies.dots_saveable
+    want = pf.grad(lambda w: (region(x, w) ** 2).sum())(w)
+    with pytest.raises(RuntimeError, match="outside pf.jit runs torch's selective activation checkpoint"):
+        pf.grad(lambda w: (pf.checkpoint(region, dots)(x, w) ** 2).sum())(w)
+    got = pf.jit(lambda w, x: pf.grad(lambda w: (pf.checkpoint(region, dots)(x, w) ** 2).sum())(w))(w, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
