@@ -1,6 +1,6 @@
 """A stateful compressed exchange on a dp x tp mesh where a replicated head follows a row-parallel layer: its
-gradient is reduced over dp+tp, which state sized for the data axes cannot serve (session 13: the error now says
-so and what to do; the suggested per_leaf runs)."""
+gradient is a sum over dp+tp. Session 13: summed exactly over tp first, then compressed over dp with state sized
+for the data axes; a state built for the wrong axes gets an error naming the reduction's axes."""
 
 from __future__ import annotations
 
@@ -34,26 +34,46 @@ def setup(monkeypatch):
     return mesh, params, x, y
 
 
-def test_the_error_names_the_axes_and_the_way_out(setup):
-    mesh, params, x, y = setup
-    fmt = C.int8(block=8)
-    with pf.set_mesh(mesh):
-        p = pf.device_put(params, {"w1": P(None, "tp"), "w2": P("tp"), "head": P()})
-        step = pf.jit(_step, in_shardings=(None, None, P("dp"), P("dp")), grad_exchange=fmt, backend="eager")
-        with pytest.raises(GradExchangeError, match=r"p\['head'\].*over 4 ranks \(axes 'dp\+tp'\).*per_leaf"):
-            step(p, fmt.init(p, data_axes="dp"), x, y)
-
-
-@pytest.mark.skipif(
+SPECS = {"w1": P(None, "tp"), "w2": P("tp"), "head": P()}
+TORCH_2_13 = pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
     reason="torch 2.11's DTensor reduces the row-split w2's gradient whole over dp (README, Known limits)",
 )
+
+
+@TORCH_2_13
+def test_a_head_summed_over_dp_and_tp_is_compressed_over_dp(setup):
+    mesh, params, x, y = setup
+    fmt = C.int8(block=8)
+    exact = pf.grad(_loss)(params, x, y)
+    with pf.set_mesh(mesh):
+        p = pf.device_put(params, SPECS)
+        step = pf.jit(_step, in_shardings=(None, None, P("dp"), P("dp")), grad_exchange=fmt, backend="eager")
+        state = fmt.init(p, data_axes="dp")
+        text = step.lower(p, state, x, y).as_text()
+        grads, _ = pf.device_get(step(p, state, x, y))
+    assert "exact sum over tp first" in text
+    for name in ("w1", "w2", "head"):  # int8 with blocks of 8: close to the exact gradient
+        assert float((grads[name] - exact[name]).norm() / exact[name].norm()) < 0.02, name
+
+
+def test_state_for_the_wrong_axes_names_the_reduction(setup):
+    mesh, params, x, y = setup
+    fmt = C.int8(block=8)
+    with pf.set_mesh(mesh):
+        p = pf.device_put(params, SPECS)
+        step = pf.jit(_step, in_shardings=(None, None, P("dp"), P("dp")), grad_exchange=fmt, backend="eager")
+        with pytest.raises(GradExchangeError, match=r"p\['w2'\].*over 2 ranks \(axes 'dp'\).*per_leaf"):
+            step(p, fmt.init(p, data_axes=("dp", "tp")), x, y)
+
+
+@TORCH_2_13
 def test_per_leaf_leaves_the_head_uncompressed(setup):
     mesh, params, x, y = setup
     fmt = C.per_leaf(lambda path, shape: None if path == "['head']" else C.int8(block=8))
     exact = pf.grad(_loss)(params, x, y)
     with pf.set_mesh(mesh):
-        p = pf.device_put(params, {"w1": P(None, "tp"), "w2": P("tp"), "head": P()})
+        p = pf.device_put(params, SPECS)
         step = pf.jit(_step, in_shardings=(None, None, P("dp"), P("dp")), grad_exchange=fmt, backend="eager")
         grads, _ = pf.device_get(step(p, fmt.init(p, data_axes="dp"), x, y))
     torch.testing.assert_close(grads["head"], exact["head"], rtol=1e-5, atol=1e-6)  # uncompressed: exact

@@ -75,6 +75,34 @@ def _axes_of(group_name: str) -> str:
     return f"axes {_group_axis_names().get(group_name, group_name)!r}"
 
 
+def _reduce_other_axes_first(gm: fx.GraphModule, collective: fx.Node, data_axes: tuple[str, ...]) -> None:
+    """A gradient summed over the data axes *and* others (a replicated head after a row-parallel layer is also a
+    pending sum over that layer's axis): an exact all-reduce over the other axes first, then the reduction over
+    the data axes alone, which the state (sized for the data axes) can compress. The sum is the same."""
+    from pt3func.spmd.lower import _group_axis_names
+
+    if analysis.collective_kind(collective) != "all_reduce" or collective.args[1] != "sum":
+        return
+    names = _group_axis_names()
+    axes = names.get(collective.args[-1], "").split("+")
+    others = [a for a in axes if a not in data_axes]
+    if not others or not set(data_axes) <= set(axes):
+        return
+    group_of = {axis_names: group for group, axis_names in names.items()}
+    data_group = group_of.get("+".join(a for a in axes if a in data_axes))
+    other_group = group_of.get("+".join(others))
+    if data_group is None or other_group is None:
+        return  # no process group for those axes: the state-size check names the problem
+    grad = collective.args[0]
+    with gm.graph.inserting_before(collective):
+        exact = gm.graph.call_function(_C10D.all_reduce.default, (grad, "sum", other_group))
+        done = gm.graph.call_function(_WAIT, (exact,))
+    for node in (exact, done):
+        node.meta["val"] = grad.meta["val"]
+        node.meta["custom"] = {"pt3func": f"grad_exchange: exact sum over {'+'.join(others)} first"}
+    collective.args = (done, "sum", *collective.args[2:-1], data_group)
+
+
 def default_group_info(group_name: str) -> tuple[int, int]:
     """(size, this process's rank) of the process group registered as `group_name`."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
@@ -263,6 +291,8 @@ def _members(
         if leaf_fmt is None:
             continue
         kind = _KINDS[analysis.collective_kind(collective)]
+        if binding is not None and binding.data_axes:
+            _reduce_other_axes_first(gm, collective, binding.data_axes)
         group_name = collective.args[-1]
         world, rank = group_info(group_name)
         r = Reduction(kind, collective.args[1], group_name, world, rank, tuple(wait.meta["val"].shape), leaf_seed(path))
