@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,7 +57,16 @@ def functionalize(module: nn.Module) -> tuple[dict[str, Any], Apply]:
     ]:
         if kept[id(t)] != name:
             aliases[name] = kept[id(t)]
-    return params, Apply(module, params, frozenset(buffer_names), aliases)
+    frozen = frozenset(name for name, t in module.named_parameters() if not t.requires_grad)
+    if frozen:
+        warnings.warn(
+            f"functionalize: {len(frozen)} parameters have requires_grad=False ({', '.join(sorted(frozen)[:3])}"
+            f"{', ...' if len(frozen) > 3 else ''}); params holds them like any other, so pf.grad differentiates "
+            "them and an optimizer updates them. To keep them frozen, split them off: trainable, frozen = "
+            "apply.partition(params), differentiate `trainable` and call apply(apply.combine(trainable, frozen), ...)",
+            stacklevel=2,
+        )
+    return params, Apply(module, params, frozenset(buffer_names), aliases, frozen)
 
 
 class Apply:
@@ -65,12 +77,19 @@ class Apply:
       param_paths: the pytree path (tuple of keys) of every parameter in `params`.
       buffer_paths: the pytree path of every buffer in `params`.
       tied_paths: `{alias path: path in params}` for each tensor tied under more than one name.
+      frozen_paths: the path of every parameter that had `requires_grad=False` (see `partition`).
     """
 
     def __init__(
-        self, module: nn.Module, params: dict[str, Any], buffer_names: frozenset[str], aliases: dict[str, str]
+        self,
+        module: nn.Module,
+        params: dict[str, Any],
+        buffer_names: frozenset[str],
+        aliases: dict[str, str],
+        frozen: frozenset[str] = frozenset(),
     ) -> None:
         self.module = module
+        self.frozen_paths: tuple[Path, ...] = tuple(tuple(name.split(".")) for name in sorted(frozen))
         leaves, self._structure = tree.flatten(params)
         self._names = [".".join(path) for path in tree.paths(params)]
         self._shapes = [t.shape for t in leaves]
@@ -94,7 +113,29 @@ class Apply:
         """Run the module's forward on `params`; buffer updates the forward makes are dropped."""
         ordered, _, _, _ = self._ordered_leaves(params)
         named = self._named(ordered)
-        return functional_call(self.module, named, args, kwargs, tie_weights=False)
+        with _module_state_kept(self.module):
+            return functional_call(self.module, named, args, kwargs, tie_weights=False)
+
+    def partition(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`(trainable, frozen)`: `params` split into two nested dicts, the parameters that had
+        `requires_grad=False` (`frozen_paths`) in the second, everything else (buffers too) in the first, as
+        equinox's `partition`. Differentiate and update `trainable` only; `combine` joins them for `apply`."""
+        frozen_names = {".".join(path) for path in self.frozen_paths}
+        trainable: dict[str, Any] = {}
+        frozen: dict[str, Any] = {}
+        for path, leaf in zip(tree.paths(params), tree.leaves(params)):
+            name = ".".join(map(str, path))
+            _insert(frozen if name in frozen_names else trainable, name, leaf)
+        return trainable, frozen
+
+    @staticmethod
+    def combine(*parts: dict[str, Any]) -> dict[str, Any]:
+        """The nested dicts of `partition` (or any disjoint nested dicts) merged into one params tree."""
+        out: dict[str, Any] = {}
+        for part in parts:
+            for path, leaf in zip(tree.paths(part), tree.leaves(part)):
+                _insert(out, ".".join(map(str, path)), leaf)
+        return out
 
     def with_updates(self, params: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Run the forward and also return its buffer updates: `(output, new_params)`.
@@ -110,7 +151,8 @@ class Apply:
         named = self._named(ordered)
         # functional_call writes the module's tensors back into `named` when it restores the module, so
         # after the call it holds each buffer's final value: the updated copy, or what forward assigned.
-        output = functional_call(self.module, named, args, kwargs, tie_weights=False)
+        with _module_state_kept(self.module):
+            output = functional_call(self.module, named, args, kwargs, tie_weights=False)
         new_leaves = list(leaves)
         for i in self._buffer_index:
             new_leaves[i if order is None else order[i]] = named[self._names[i]]
@@ -176,6 +218,27 @@ class Apply:
             f"Apply({type(self.module).__name__}: {len(self.param_paths)} params, "
             f"{len(self.buffer_paths)} buffers{ties})"
         )
+
+
+@contextlib.contextmanager
+def _module_state_kept(module: nn.Module) -> Iterator[None]:
+    """The module's own attributes as they were before a forward: `apply` is pure. A forward that assigns
+    `self.last = y`, fills a buffer registered as None, or rebinds a cached list of tensors (LSTM's
+    `_flat_weights`) left them on the module, under `pf.jit` as the trace's fake tensors. (functional_call puts
+    back only the names it swapped.)"""
+    saved = [(m, dict(m.__dict__), dict(m._buffers)) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes, buffers in saved:
+            for key in [k for k in m.__dict__ if k not in attributes]:
+                del m.__dict__[key]
+            for key, value in attributes.items():
+                if m.__dict__.get(key) is not value:
+                    m.__dict__[key] = value
+            if m._buffers != buffers or any(m._buffers[k] is not v for k, v in buffers.items()):
+                m._buffers.clear()
+                m._buffers.update(buffers)
 
 
 def _insert(nest: dict[str, Any], name: str, value: torch.Tensor) -> None:

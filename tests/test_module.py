@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import pt3func as pf
 from pt3func import tree
 from pt3func.module import functionalize
 
@@ -290,3 +291,66 @@ def test_grad_of_a_tree_with_buffers_treats_them_as_constants():
         torch.testing.assert_close(grads[layer][leaf], p.grad)
     for name in ("running_mean", "running_var"):
         assert not grads["bn"][name].any()
+
+
+class _Remembers(torch.nn.Module):
+    """A forward that writes module state: an attribute, a lazily filled buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.last = None
+        self.register_buffer("lazy", None)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.last = y.detach()
+        self.lazy = y.detach().sum(0)
+        self.calls = 1
+        return y
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_apply_leaves_the_modules_own_state_alone(jitted):
+    model = _Remembers()
+    params, apply = pf.functionalize(model)
+    run = pf.jit(apply, backend="eager") if jitted else apply
+    out = run(params, torch.ones(4, 3))
+    assert out.shape == (4, 2)
+    assert model.last is None and model.lazy is None and not hasattr(model, "calls")
+    with_updates = pf.jit(apply.with_updates, backend="eager") if jitted else apply.with_updates
+    with_updates(params, torch.ones(4, 3))
+    assert model.last is None and model.lazy is None
+    assert type(model(torch.ones(1, 3))) is torch.Tensor  # the module still runs eagerly, with real tensors
+
+
+def test_frozen_parameters_are_named_and_split_off():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"1 parameters have requires_grad=False \(0.weight\)"):
+        params, apply = pf.functionalize(model)
+    assert apply.frozen_paths == (("0", "weight"),)
+    trainable, frozen = apply.partition(params)
+    assert frozen == {"0": {"weight": params["0"]["weight"]}}
+    assert set(trainable) == {"0", "2"} and set(trainable["0"]) == {"bias"}
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    opt = pf.optim.adamw(0.1, weight_decay=0.1)
+
+    @pf.jit
+    def step(trainable, state):
+        grads = pf.grad(lambda t: F.mse_loss(apply(apply.combine(t, frozen), x), y))(trainable)
+        updates, state = opt.update(grads, state, trainable)
+        return pf.optim.apply_updates(trainable, updates), state
+
+    state = opt.init(trainable)
+    reference = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
+    for _ in range(3):
+        trainable, state = step(trainable, state)
+        reference.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        reference.step()
+    got = apply.combine(trainable, frozen)
+    for name, p in model.named_parameters():
+        a, b = name.split(".")
+        torch.testing.assert_close(got[a][b], p.detach(), rtol=1e-5, atol=1e-6)
