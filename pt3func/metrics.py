@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -81,7 +82,8 @@ class RunMetrics:
         prometheus_port: serve the latest value of every metric as a Prometheus gauge on this port (0 picks a
             free one, see `.prometheus_port`); None (default) imports nothing and serves nothing.
         prometheus_addr: the address the Prometheus server binds.
-        rank: which rank this is; default: `dist.get_rank()` in an initialized world, else 0. Only 0 records.
+        rank: which rank this is; default: `dist.get_rank()` in an initialized world, else the launcher's `RANK`
+            (torchrun, `pt3func run`), else 0. Only 0 records.
         clock: seconds as a float, for step times; tests inject a fake one.
         window: steps over which `postfix()` takes the median step time (so a compile step soon drops out).
     """
@@ -105,7 +107,8 @@ class RunMetrics:
         if tensorboard not in (True, False, "auto"):
             raise ValueError(f"tensorboard takes True, False or 'auto'; got {tensorboard!r}")
         if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            # Before the process group starts (RunMetrics made before pf.make_mesh), the launcher's RANK says.
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
         self.rank = rank
         self.active = rank == 0
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -265,7 +268,9 @@ class RunMetrics:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step, walltime=row["time"])
         if self._prom_server is not None:
-            for key, value in {"step": step, **metrics}.items():
+            # Non-finite values too (Prometheus has NaN and Inf): a diverged run must not show its last good loss.
+            numbers = {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
+            for key, value in {"step": step, **numbers}.items():
                 self._gauge(key).set(value)
 
     def _start_prometheus(self, port: int, addr: str) -> None:
@@ -277,7 +282,11 @@ class RunMetrics:
             ) from exc
         # A registry of its own: two runs in one process (tests, notebooks) must not clash on gauge names.
         self._registry = prometheus_client.CollectorRegistry()
-        self._prom_server, _thread = prometheus_client.start_http_server(port, addr=addr, registry=self._registry)
+        try:
+            self._prom_server, _thread = prometheus_client.start_http_server(port, addr=addr, registry=self._registry)
+        except OSError as exc:
+            raise OSError(f"RunMetrics: cannot serve Prometheus metrics on {addr}:{port} ({exc.strerror}); pick "
+                          "another prometheus_port, or 0 for any free one") from exc
         self.prometheus_port = self._prom_server.server_port
 
     def _gauge(self, key: str) -> Any:

@@ -202,9 +202,25 @@ def test_prometheus_gauges(tmp_path):
     assert values["pt3func_loss"] == 2.5
     assert values["pt3func_tokens_per_s"] == 200.0
     assert values["pt3func_comm_bytes_all_reduce"] == 64
+    clock.now += 0.5
+    metrics.step(8, loss=float("nan"))  # a diverged run shows NaN, not its last finite loss
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    assert "pt3func_step 8.0" in text and "pt3func_loss NaN" in text
+    with pytest.raises(OSError, match=rf"cannot serve Prometheus metrics on 127.0.0.1:{metrics.prometheus_port}"):
+        RunMetrics(None, prometheus_port=metrics.prometheus_port, prometheus_addr="127.0.0.1")
     metrics.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_the_launchers_rank_before_the_world_starts(tmp_path, monkeypatch):
+    """RunMetrics made before pf.make_mesh under torchrun: every rank wrote."""
+    monkeypatch.setenv("RANK", "1")
+    metrics = RunMetrics(tmp_path, tensorboard=False)
+    metrics.step(1, loss=1.0)
+    metrics.close()
+    assert not (tmp_path / "metrics.jsonl").exists() or read_jsonl(tmp_path / "metrics.jsonl") == []
 
 
 def load_plot_run():
