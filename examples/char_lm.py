@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data as chardata  # noqa: E402
 import gpt  # noqa: E402
+from arguments import parse_mesh, positive_int  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,19 +43,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command-line flags (defaults: the `make demo` run)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--steps", type=int, default=None, help="optimizer steps (default 500; 250 on a virtual mesh)")
-    add("--batch", type=int, default=32, help="sequences per step")
-    add("--seq", type=int, default=128, help="context length in characters")
-    add("--d-model", type=int, default=128)
-    add("--layers", type=int, default=4)
-    add("--heads", type=int, default=4)
+    add("--steps", type=positive_int, default=None, help="optimizer steps (default 500; 250 on a virtual mesh)")
+    add("--batch", type=positive_int, default=32, help="sequences per step")
+    add("--seq", type=positive_int, default=128, help="context length in characters")
+    add("--d-model", type=positive_int, default=128)
+    add("--layers", type=positive_int, default=4)
+    add("--heads", type=positive_int, default=4)
     add("--lr", type=float, default=3e-3, help="peak learning rate")
     add("--warmup", type=int, default=50, help="linear warmup steps (capped at a fifth of --steps)")
     add("--weight-decay", type=float, default=0.1)
     add("--clip", type=float, default=1.0, help="global gradient-norm clip")
     add("--seed", type=int, default=0, help="seeds params, batches and sampling")
-    add("--eval-interval", type=int, default=100, help="steps between validation losses")
-    add("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    add("--eval-interval", type=positive_int, default=100, help="steps between validation losses")
+    add("--eval-batches", type=positive_int, default=8, help="validation batches per evaluation")
     add("--mesh", default=None, help="DPxTP (e.g. 2x2) or DP (e.g. 4) ranks; default: one device, no mesh")
     add("--virtual", action="store_true", help="simulate the mesh's ranks as threads of this process")
     add("--log-dir", default=None, help="write metrics.jsonl and TensorBoard events here (plot: scripts/plot_run.py)")
@@ -65,7 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="how pf.jit runs the step; auto: eager on a virtual mesh, else inductor",
     )
-    add("--max-bytes", type=int, default=chardata.DEFAULT_MAX_BYTES, help="bytes of stdlib source to read")
+    add("--max-bytes", type=positive_int, default=chardata.DEFAULT_MAX_BYTES, help="bytes of stdlib source to read")
     add("--sample-chars", type=int, default=200, help="characters to generate at the end")
     add("--temperature", type=float, default=0.8)
     add("--prompt", default="def ")
@@ -76,16 +77,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.steps = 250 if args.mesh and args.virtual else 500
     return args
 
-
-def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """`"2x2"` -> ((2, 2), ("dp", "tp")); `"4"` -> ((4,), ("dp",))."""
-    try:
-        shape = tuple(int(size) for size in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) not in (1, 2) or min(shape) < 1:
-        raise ValueError(f"--mesh takes DPxTP or DP, e.g. 2x2 or 4; got {text!r}")
-    return shape, ("dp", "tp")[: len(shape)]
 
 
 def backend_for(args: argparse.Namespace) -> str:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import char_lm  # noqa: E402
 import data as chardata  # noqa: E402
 import gpt  # noqa: E402
+from arguments import parse_mesh, positive_int  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -41,32 +42,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--mesh", default="2x2", help="mesh shape: DPxTP (axes dp, tp) or DP (dp only)")
     add("--fsdp", action="store_true", help="also shard params and optimizer state over dp (ZeRO-3)")
     add("--virtual", action="store_true", help="simulate the mesh's ranks as threads of this one process")
-    add("--steps", type=int, default=200, help="optimizer steps")
-    add("--batch", type=int, default=32, help="sequences per step, over all dp ranks")
-    add("--seq", type=int, default=64, help="context length in characters")
-    add("--d-model", type=int, default=128)
-    add("--layers", type=int, default=2)
-    add("--heads", type=int, default=4)
+    add("--steps", type=positive_int, default=200, help="optimizer steps")
+    add("--batch", type=positive_int, default=32, help="sequences per step, over all dp ranks")
+    add("--seq", type=positive_int, default=64, help="context length in characters")
+    add("--d-model", type=positive_int, default=128)
+    add("--layers", type=positive_int, default=2)
+    add("--heads", type=positive_int, default=4)
     add("--lr", type=float, default=3e-3, help="peak learning rate")
     add("--warmup", type=int, default=20, help="linear warmup steps (capped at a fifth of --steps)")
     add("--weight-decay", type=float, default=0.1)
     add("--clip", type=float, default=1.0, help="global gradient-norm clip")
     add("--seed", type=int, default=0, help="seeds params and batches (the same on every rank)")
-    add("--log-interval", type=int, default=20, help="steps between loss lines")
-    add("--eval-batches", type=int, default=4, help="validation batches at the end")
+    add("--log-interval", type=positive_int, default=20, help="steps between loss lines")
+    add("--eval-batches", type=positive_int, default=4, help="validation batches at the end")
     add("--backend", choices=("inductor", "eager"), default="inductor", help="how pf.jit runs the step")
-    add("--max-bytes", type=int, default=1_000_000, help="bytes of stdlib source to read")
+    add("--max-bytes", type=positive_int, default=1_000_000, help="bytes of stdlib source to read")
     add("--log-dir", default=None, help="write metrics.jsonl and TensorBoard events here (rank 0)")
     add("--peak-tflops", type=float, default=None, help="one device's peak TFLOP/s, for MFU")
     return parser.parse_args(argv)
 
-
-def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """`"2x2"` -> ((2, 2), ("dp", "tp")); `"4"` -> ((4,), ("dp",))."""
-    sizes = tuple(int(s) for s in text.lower().split("x"))
-    if len(sizes) not in (1, 2) or min(sizes) < 1:
-        raise ValueError(f"--mesh takes DP or DPxTP (e.g. 4 or 2x2), got {text!r}")
-    return sizes, ("dp", "tp")[: len(sizes)]
 
 
 def add_fsdp(specs: gpt.Params, params: gpt.Params, dp: int) -> gpt.Params:

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ import pt3func as pf
 from pt3func import P
 from pt3func.checkpointing import CheckpointManager, rng_state, set_rng_state
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from arguments import positive_int  # noqa: E402
+
 DATASET_SIZE = 256
 
 
@@ -43,8 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--dir", required=True, help="checkpoint directory (shared by all ranks)")
     add("--steps", type=int, default=12, help="optimizer steps")
-    add("--save-every", type=int, default=4, help="steps between checkpoints")
-    add("--batch", type=int, default=16, help="examples per step, over all ranks")
+    add("--save-every", type=positive_int, default=4, help="steps between checkpoints")
+    add("--batch", type=positive_int, default=16, help="examples per step, over all ranks")
     add("--lr", type=float, default=1e-2)
     add("--seed", type=int, default=0, help="seeds the data, the params and the noise (the same on every rank)")
     add("--backend", choices=("inductor", "eager"), default="inductor", help="how pf.jit runs the step")
