@@ -50,6 +50,9 @@ def from_lowered(lowered: Any) -> dict[str, Any]:
 
     Both are per rank: the program `pf.jit` lowered is one device's. Pass them to `RunMetrics(**...)`.
     """
+    if not hasattr(lowered, "cost_analysis"):
+        raise TypeError(f"from_lowered takes step.lower(*args) (a Lowered) or its compile(), got "
+                        f"{type(lowered).__name__}; e.g. pf.metrics.from_lowered(step.lower(params, opt_state, batch))")
     cost = lowered.cost_analysis()
     return {"flops_per_step": cost["flops"], "comm_bytes_per_step": dict(cost["comm_bytes"])}
 

@@ -86,7 +86,8 @@ def plot(rows: Sequence[dict[str, Any]], out: str | Path, title: str | None = No
             else:  # logged now and then (a validation loss): averaging its few points would blur it
                 ax.plot(steps, values, label=name, linewidth=1.2, marker="o", markersize=3)
         ax.set_ylabel(label)
-        ax.yaxis.set_major_formatter(EngFormatter(sep=""))  # 1.5M, not 1.5 with a 1e6 offset
+        if label in ("tokens/s", "step time (ms)"):  # 1.5M, not 1.5 with a 1e6 offset; an MFU of 0.5% stays 0.5
+            ax.yaxis.set_major_formatter(EngFormatter(sep=""))
         ax.grid(alpha=0.3)
         if len(names) > 1:
             ax.legend(loc="upper right", fontsize="small")
@@ -95,6 +96,8 @@ def plot(rows: Sequence[dict[str, Any]], out: str | Path, title: str | None = No
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out)
+    if not out.suffix:  # matplotlib would add ".png" itself, and the path printed would be the wrong one
+        out = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

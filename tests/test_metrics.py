@@ -252,3 +252,16 @@ def test_plot_run_writes_png(tmp_path, capsys):
     out = plot_run.main([str(tmp_path / "run" / "metrics.jsonl"), "-o", str(tmp_path / "run.png"), "--smooth", "5"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert "40 steps" in capsys.readouterr().out
+
+
+def test_from_lowered_names_what_it_takes():
+    with pytest.raises(TypeError, match=r"from_lowered takes step.lower\(\*args\).*got Jitted"):
+        from_lowered(pf.jit(lambda x: x * 2))
+
+
+def test_plot_names_the_png_it_writes(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_run = load_plot_run()
+    rows = [{"step": i, "loss": 2.0 / i, "mfu": 0.005} for i in range(1, 6)]
+    out = plot_run.plot(rows, tmp_path / "run")  # no suffix: the PNG written is the path returned
+    assert out == tmp_path / "run.png" and out.exists()
