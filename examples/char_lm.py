@@ -71,6 +71,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--temperature", type=float, default=0.8)
     add("--prompt", default="def ")
     args = parser.parse_args(argv)
+    if args.virtual and not args.mesh:
+        parser.error("--virtual simulates the ranks of a --mesh: give --mesh too (e.g. --mesh 2x2 --virtual)")
     if args.steps is None:
         # A virtual mesh runs all its ranks on this machine's cores, so each step costs about as much as the
         # whole model on one device plus the collectives: half the steps keep the demo to a few minutes.

@@ -128,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             set_rng_state(state["rng"])
             resumed_from = state["step"]
             say(f"resumed from step {resumed_from} (data position {state['data_position']})", flush=True)
+            if resumed_from > args.steps:
+                raise SystemExit(f"train_resilient: the checkpoint in {args.dir} is at step {resumed_from}, past "
+                                 f"--steps {args.steps}: nothing to train; raise --steps or use another directory")
         params, opt_state, position = state["params"], state["opt_state"], state["data_position"]
 
         data = make_dataset(args.seed)

@@ -153,6 +153,14 @@ class Apply:
         # after the call it holds each buffer's final value: the updated copy, or what forward assigned.
         with _module_state_kept(self.module):
             output = functional_call(self.module, named, args, kwargs, tie_weights=False)
+        for alias, i in self._aliases:
+            if named[alias] is not named[self._names[i]]:
+                # eager torch would untie the two names; params holds one tensor for both
+                raise ValueError(
+                    f"params{_keystr(alias)}: the forward reassigned it, but it is tied to "
+                    f"params{_keystr(self._names[i])} (one tensor in params): with_updates cannot return two "
+                    "values for it. Register separate tensors under the two names in the module."
+                )
         new_leaves = list(leaves)
         for i in self._buffer_index:
             new_leaves[i if order is None else order[i]] = named[self._names[i]]

@@ -354,3 +354,23 @@ def test_frozen_parameters_are_named_and_split_off():
     for name, p in model.named_parameters():
         a, b = name.split(".")
         torch.testing.assert_close(got[a][b], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self, shared: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("step", shared)
+
+    def forward(self, x):
+        self.step = self.step + 1
+        return x * self.step
+
+
+def test_reassigning_one_name_of_a_tied_buffer_is_refused():
+    shared = torch.zeros(())
+    model = torch.nn.Sequential(torch.nn.Identity(), _Counter(shared))
+    model[0].register_buffer("step", shared)  # the same tensor under 0.step and 1.step
+    params, apply = pf.functionalize(model)
+    with pytest.raises(ValueError, match=r"params\['1'\]\['step'\]: the forward reassigned it, but it is tied to "
+                                         r"params\['0'\]\['step'\]"):
+        apply.with_updates(params, torch.ones(2))
