@@ -235,7 +235,7 @@ class RunMetrics:
         if "tok/s" not in out:
             out["step"] = f"{step_s * 1e3:.0f}ms" if step_s < 10 else f"{step_s:.1f}s"
         if self.comm_bytes_per_step:
-            out["comm"] = f"{self.comm_bytes_per_step / 2**20:.1f}MiB"
+            out["comm"] = _bytes(self.comm_bytes_per_step)
         if "peak_mem_bytes" in self.latest:
             out["mem"] = f"{self.latest['peak_mem_bytes'] / 2**30:.2f}G"
         return out
@@ -339,8 +339,18 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def _bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a leading digit: 43.0KiB, 1.5MiB (not 0.0MiB)."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}B"
+
+
 def _short(value: float) -> str:
-    """3 significant digits, with k/M/G for large values: 2.35, 0.0123, 12.3k, 1.23M."""
+    """3 significant digits, with k/M/G for large values: 2.35, 0.0123, 12.3k, 1.23M; nan and inf as such."""
+    if not math.isfinite(value):
+        return str(value)
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale:
             return f"{value / scale:.3g}{suffix}"

@@ -265,3 +265,12 @@ def test_plot_names_the_png_it_writes(tmp_path):
     rows = [{"step": i, "loss": 2.0 / i, "mfu": 0.005} for i in range(1, 6)]
     out = plot_run.plot(rows, tmp_path / "run")  # no suffix: the PNG written is the path returned
     assert out == tmp_path / "run.png" and out.exists()
+
+
+def test_postfix_shows_non_finite_losses_and_small_comm():
+    clock = FakeClock()
+    metrics = RunMetrics(None, comm_bytes_per_step={"all_reduce": 44_032}, clock=clock)
+    clock.now += 0.1
+    metrics.step(1, loss=float("inf"))
+    post = metrics.postfix()
+    assert post["loss"] == "inf" and post["comm"] == "43.0KiB"
