@@ -374,3 +374,17 @@ def test_reassigning_one_name_of_a_tied_buffer_is_refused():
     with pytest.raises(ValueError, match=r"params\['1'\]\['step'\]: the forward reassigned it, but it is tied to "
                                          r"params\['0'\]\['step'\]"):
         apply.with_updates(params, torch.ones(2))
+
+
+def test_a_sparse_embedding_is_refused_when_differentiated_in_a_jitted_step():
+    model = torch.nn.Embedding(10, 4, sparse=True, padding_idx=1)
+    params, apply = pf.functionalize(model)
+    ids = torch.tensor([[1, 2, 3]])
+
+    def step(p):
+        return pf.grad(lambda p: apply(p, ids).square().sum())(p)
+
+    with pytest.raises(pf.TracingError, match=r"test_module.py:\d+ .*embedding with sparse=True.*sparse=False"):
+        pf.jit(step)(params)
+    out = pf.jit(lambda p: apply(p, ids))(params)  # no gradient: the lookup itself is fine
+    torch.testing.assert_close(out, model(ids).detach())

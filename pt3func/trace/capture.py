@@ -183,19 +183,47 @@ RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._Varia
                                 torch._C._VariableFunctions.rnn_tanh, torch._C._VariableFunctions.rnn_relu})
 
 
-class _RecurrentWithoutOneDNN(TorchFunctionMode):
-    """Trace recurrent layers through their plain kernels, not oneDNN's (CPU).
+class _TracedCallRules(TorchFunctionMode):
+    """Calls a trace handles its own way.
 
-    With oneDNN on, `nn.LSTM` on CPU lowers to `mkldnn_rnn_layer`, whose traced backward reads a workspace the
-    fake forward never made: every pf.jit of an LSTM step on CPU failed ("Expected a proper Tensor but got None
-    ... 'workspace'"). CUDA's kernels are not affected; the rest of the step keeps oneDNN.
+    - Recurrent layers go through their plain kernels, not oneDNN's (CPU). With oneDNN on, `nn.LSTM` on CPU lowers
+      to `mkldnn_rnn_layer`, whose traced backward reads a workspace the fake forward never made: every pf.jit of
+      an LSTM step on CPU failed ("Expected a proper Tensor but got None ... 'workspace'"). CUDA's kernels are
+      not affected; the rest of the step keeps oneDNN.
+    - `F.embedding(..., sparse=True)` (`nn.Embedding(sparse=True)`) differentiated is refused: its sparse
+      gradient cannot be traced, and failed with a misleading data-dependent error (with `padding_idx`) or inside
+      Inductor. Without a gradient the lookup runs as a dense one (the same values).
     """
 
+    def __init__(self, fn_name: str) -> None:
+        super().__init__()
+        self.fn_name = fn_name
+
     def __torch_function__(self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None):
+        kwargs = kwargs or {}
         if func in RECURRENT_KERNELS:
             with torch.backends.mkldnn.flags(enabled=False):
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
+        if func is torch.nn.functional.embedding and (kwargs.get("sparse") or (len(args) > 6 and args[6])):
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if not (torch.is_grad_enabled() and getattr(weight, "requires_grad", False)):
+                # no gradient taken: sparse only changes the backward, the lookup is the same
+                args, kwargs = args[:6], {**kwargs, "sparse": False}
+                return func(*args, **kwargs)
+            raise TracingError(
+                f"{_user_location()}: an embedding with sparse=True inside jitted '{self.fn_name}': its sparse "
+                "gradient cannot be traced into a program. Use sparse=False (nn.Embedding's default); the dense "
+                "gradient gives the same numbers."
+            )
+        return func(*args, **kwargs)
+
+
+def _user_location() -> str:
+    """`file:line` of the innermost user frame calling now, for errors raised from inside torch's calls."""
+    frame = sys._getframe(1)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return describe(frame.f_code.co_filename, frame.f_lineno) if frame is not None else "in the step"
 
 
 def trace(
@@ -204,7 +232,7 @@ def trace(
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
         with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _record_user_frames(), \
-                _dtensor_bookkeeping_untraced(), _RecurrentWithoutOneDNN():
+                _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name):
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
