@@ -19,15 +19,12 @@ def multi_process_world() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def check_ranks_agree(name: str, entries: Sequence[tuple[str, torch.Tensor, bool]], checked: set) -> None:
+def check_ranks_agree(name: str, entries: Sequence[tuple[str, torch.Tensor, bool]]) -> None:
     """Raise ShardingError when the ranks' plain inputs differ: `entries` are (label, tensor, split) for every
     plain tensor the step is given; a split one (each rank keeps a block) must agree in shape and dtype only.
 
-    Every rank calls this at the same point of the same call; a signature seen before is not checked again.
+    Every rank calls this at the same point of the same call (the caller checks each input signature once).
     """
-    key = tuple((label, tuple(x.shape), x.dtype, split) for label, x, split in entries)
-    if key in checked:
-        return
     mine = [(label, tuple(x.shape), str(x.dtype), None if split else _digest(x)) for label, x, split in entries]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -40,7 +37,6 @@ def check_ranks_agree(name: str, entries: Sequence[tuple[str, torch.Tensor, bool
             "same on every rank, and pass every rank the whole global batch, or build the global array from the "
             "ranks' blocks with pf.make_array_from_process_local_data(sharding, local_block)"
         )
-    checked.add(key)
 
 
 _CHUNK = 1 << 24  # elements converted to float64 at a time: the check's memory stays bounded

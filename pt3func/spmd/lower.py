@@ -324,8 +324,14 @@ def _check_plain_inputs_agree(
     """Every plain tensor argument of the step, split (shapes must agree) or replicated (values too)."""
     from pt3func.sharding.put import broadcast_shardings
     from pt3func.sharding.spec import NamedSharding
-    from pt3func.tree import keystr
+    from pt3func.tree import keystr, leaves
 
+    name, checked = agreed
+    # Cheap, on every call: the plain tensors' shapes and dtypes (a signature seen before was checked then).
+    signature = tuple((tuple(x.shape), x.dtype) for i, arg in enumerate(args) if i not in static_argnums
+                      for x in leaves(arg) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor))
+    if signature in checked:
+        return
     entries = []
     for i, arg in enumerate(args):
         if i in static_argnums:
@@ -337,8 +343,8 @@ def _check_plain_inputs_agree(
             if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
                 spec = s.spec if isinstance(s, NamedSharding) else s
                 entries.append((f"{label}{keystr(path)}", leaf, spec is not None and any(d is not None for d in spec)))
-    name, checked = agreed
-    check_ranks_agree(name, entries, checked)
+    check_ranks_agree(name, entries)
+    checked.add(signature)
 
 
 def _already_placed(leaf: torch.Tensor, sharding: Any, path: tuple) -> bool:
