@@ -33,6 +33,14 @@ _DTYPE_ABBR = {
 _OUTPUT_SIZED = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced"}
 
 
+def format_bytes(n: float, sep: str = " ") -> str:
+    """Bytes in the largest binary unit that keeps a leading digit: 43.0 KiB, 1.5 MiB (not 0.0 MiB)."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f}{sep}{unit}"
+    return f"{n:.0f}{sep}B"
+
+
 def type_str(val: Any) -> str:
     """`f32[4, 8]` for a tensor value, a tuple of those for multi-output ops."""
     if isinstance(val, torch.Tensor):

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pt3func.analysis import format_bytes
+
 __all__ = ["RunMetrics", "from_lowered", "peak_memory_bytes"]
 
 JSONL_NAME = "metrics.jsonl"
@@ -235,7 +237,7 @@ class RunMetrics:
         if "tok/s" not in out:
             out["step"] = f"{step_s * 1e3:.0f}ms" if step_s < 10 else f"{step_s:.1f}s"
         if self.comm_bytes_per_step:
-            out["comm"] = _bytes(self.comm_bytes_per_step)
+            out["comm"] = format_bytes(self.comm_bytes_per_step, sep="")
         if "peak_mem_bytes" in self.latest:
             out["mem"] = f"{self.latest['peak_mem_bytes'] / 2**30:.2f}G"
         return out
@@ -337,14 +339,6 @@ def _to_float(key: str, value: Any) -> float:
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _bytes(n: float) -> str:
-    """Bytes in the largest binary unit that keeps a leading digit: 43.0KiB, 1.5MiB (not 0.0MiB)."""
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n:.0f}B"
 
 
 def _short(value: float) -> str:

@@ -574,5 +574,4 @@ def _virtual_mesh_of(args: tuple, kwargs: dict) -> virtual.VirtualMesh | None:
     then runs in every rank thread on that rank's values, as each process of a real world runs it on its own."""
     if not virtual.VirtualWorld._installed or virtual.in_rank_thread():
         return None
-    arrays = tree.leaves((args, kwargs), is_leaf=virtual.is_virtual_leaf)
-    return next((leaf.mesh for leaf in arrays if isinstance(leaf, virtual.VirtualArray)), None)
+    return virtual.mesh_of_arrays(args, kwargs)

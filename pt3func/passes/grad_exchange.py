@@ -37,7 +37,7 @@ from pt3func.compress.state import ExchangeState, LeafState, is_leaf_state, is_s
 from pt3func.config import config
 from pt3func.passes import replace_outputs
 from pt3func.passes.bucketing import plan_buckets, reduction_key
-from pt3func.spmd.lower import GRAD_OF, _human_bytes
+from pt3func.spmd.lower import GRAD_OF
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _C10D = torch.ops._c10d_functional
@@ -385,7 +385,7 @@ def _describe(bucket: list[_Member]) -> dict[str, Any]:
         label = bucket[0].label
         return {"pt3func": f"grad of {label} ({what})", GRAD_OF: label, COMPRESSED: True}
     labels = [m.label for m in bucket]
-    size = _human_bytes(sum(m.nbytes for m in bucket))
+    size = analysis.format_bytes(sum(m.nbytes for m in bucket))
     return {
         "pt3func": f"grad of {len(bucket)} leaves in one bucket, {size} of gradients ({what}): " + ", ".join(labels),
         GRAD_OF: ", ".join(labels),

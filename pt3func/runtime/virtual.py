@@ -255,7 +255,7 @@ VirtualArray.__hash__ = object.__hash__  # defining __eq__ would otherwise make 
 
 def _on_every_rank(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """`fn(*args, **kwargs)` in every rank thread of the virtual arrays' mesh, each on its own values."""
-    leaves = [x for x in tree.leaves((args, kwargs), is_leaf=_is_leaf) if isinstance(x, VirtualArray)]
+    leaves = [x for x in tree.leaves((args, kwargs), is_leaf=is_virtual_leaf) if isinstance(x, VirtualArray)]
     meshes = {id(x.mesh): x.mesh for x in leaves}
     if len(meshes) != 1:
         raise ShardingError(f"an op on virtual arrays of {len(meshes)} different virtual meshes: {fn!r}")
@@ -264,10 +264,6 @@ def _on_every_rank(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 
 def is_virtual_leaf(x: Any) -> bool:
-    return isinstance(x, VirtualArray)
-
-
-def _is_leaf(x: Any) -> bool:
     return isinstance(x, VirtualArray)
 
 
@@ -287,7 +283,7 @@ def scatter_tree(tree_: Any, rank: int) -> Any:
             return x.clone()
         return x
 
-    return tree.map(local, tree_, is_leaf=_is_leaf)
+    return tree.map(local, tree_, is_leaf=is_virtual_leaf)
 
 
 def gather_trees(mesh: VirtualMesh, per_rank: list[Any]) -> Any:
@@ -302,14 +298,22 @@ def gather_trees(mesh: VirtualMesh, per_rank: list[Any]) -> Any:
     return tree.unflatten(structure, out)
 
 
+def mesh_of_arrays(*trees: Any) -> VirtualMesh | None:
+    """The virtual mesh of the first VirtualArray in `trees`."""
+    for t in trees:
+        for leaf in tree.leaves(t, is_leaf=is_virtual_leaf):
+            if isinstance(leaf, VirtualArray):
+                return leaf.mesh
+    return None
+
+
 def find_mesh(*trees: Any) -> VirtualMesh | None:
     """The virtual mesh of the first VirtualArray in `trees`, or the current mesh if it is virtual."""
     from pt3func.sharding.mesh import get_mesh
 
-    for t in trees:
-        for leaf in tree.leaves(t, is_leaf=_is_leaf):
-            if isinstance(leaf, VirtualArray):
-                return leaf.mesh
+    found = mesh_of_arrays(*trees)
+    if found is not None:
+        return found
     mesh = get_mesh()
     return mesh if isinstance(mesh, VirtualMesh) else None
 

@@ -212,7 +212,7 @@ def collective_notes(gm: fx.GraphModule) -> dict[fx.Node, str]:
         where = node_location(node)
         if where and why == "sharding propagation":
             why = f"{why} at {where}"
-        size = _human_bytes(analysis.collective_bytes(node))
+        size = analysis.format_bytes(analysis.collective_bytes(node))
         notes[node] = f"COLLECTIVE {analysis.collective_kind(node)} over {axis!r}, {size}: {why}"
     return notes
 
@@ -236,14 +236,6 @@ def _group_axis_names() -> dict[str, str]:
         except Exception:  # a mesh whose world is gone names no groups
             continue
     return out
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def apply_in_shardings(
