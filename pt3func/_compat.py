@@ -22,6 +22,13 @@ all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gat
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+# torch 2.11's DTensor `index_put` rule (the backward of `table[idx]`) fails or gives local shapes that do not
+# broadcast when the index is split; 2.13's is right.
+DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN = TORCH_VERSION < (2, 13)
+
+
 def outside_functorch_levels() -> contextlib.AbstractContextManager:
     """A block run outside torch.func's transforms (vmap, grad): torch's private
     `temporarily_clear_interpreter_stack`, the same on torch 2.11 and 2.13 (used where DTensor's to_local, which

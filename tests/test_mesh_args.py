@@ -55,3 +55,21 @@ def test_a_str_names_the_one_axis_of_a_1d_mesh_only():
     with pytest.raises(ShardingError, match="single str"):
         pf.make_mesh((1, 1), "dp", virtual=True)
     assert pf.make_mesh((2,), "dp", virtual=True).axis_names == ("dp",)  # not ("d", "p")
+
+
+def test_a_local_rank_without_a_gpu_is_refused_with_the_way_out(monkeypatch):
+    # torch.cuda.set_device(LOCAL_RANK) with more local ranks than GPUs fails with "invalid device ordinal".
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a world is already running in this process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ShardingError, match=r"local rank 1 has no GPU.*sees 1 CUDA device.*device_type='cpu'"):
+        pf.make_mesh((2,), ("dp",))
+    assert not dist.is_initialized()
+    from pt3func.sharding.mesh import _backend_for
+
+    assert _backend_for("cpu") == "gloo"  # a CPU mesh asks for gloo, whatever GPUs there are

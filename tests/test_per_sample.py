@@ -10,6 +10,10 @@ import torch
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import TORCH_VERSION
+
+# torch 2.11's DTensor cannot flatten [T, B, ...] with B split (nn.Linear on a sequence-first input): README.
+FLATTENS_SPLIT_DIM_1 = TORCH_VERSION >= (2, 13)
 
 LAYERS = {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM, "rnn": torch.nn.RNN}
 
@@ -53,7 +57,10 @@ def test_lstm_step_on_cpu_equals_torch_autograd(backend):
 
 
 @pytest.mark.parametrize(("kind", "batch_first", "backend"),
-                         [("gru", True, "eager"), ("lstm", False, "eager"), ("rnn", True, "eager"),
+                         [("gru", True, "eager"),
+                          pytest.param("lstm", False, "eager", marks=pytest.mark.skipif(
+                              not FLATTENS_SPLIT_DIM_1, reason="torch 2.11: Linear of a [T, B] input split on B")),
+                          ("rnn", True, "eager"),
                           ("lstm", True, "inductor")])
 def test_batch_sharded_recurrent_layers_equal_one_device(kind, batch_first, backend):
     _, params, loss_fn, x, y = _setup(kind, batch_first)
@@ -90,7 +97,9 @@ def test_dropout_between_layers_is_not_run_per_rank():
     # Each rank would draw its own dropout mask: left to DTensor, which refuses the kernel (loud, not wrong).
     _, params, loss_fn, x, y = _setup("gru", batch_first=True, dropout=0.5)
     mesh = pf.make_mesh((2,), ("dp",), virtual=True)
-    with pf.set_mesh(mesh), pytest.raises(Exception, match="transpose_"):
+    # (torch 2.11 stops earlier, at the head's flatten of the GRU's output: README, Known limits.)
+    refused = "transpose_" if FLATTENS_SPLIT_DIM_1 else "transpose_|flatten multiple dimensions"
+    with pf.set_mesh(mesh), pytest.raises(Exception, match=refused):
         pf.jit(pf.value_and_grad(loss_fn), backend="eager")(
             pf.device_put(params, P()), pf.device_put(x, P("dp")), pf.device_put(y, P("dp")))
 

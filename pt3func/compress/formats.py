@@ -36,6 +36,17 @@ _C = torch.ops._c10d_functional
 # --------------------------------------------------------------------------------------------- collectives
 
 
+def _as_bytes(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x`'s bytes as `rows` rows. The dtype view is taken of a 1-D tensor: Inductor (torch 2.11) may give a size-1
+    last dim stride 0, and then refuses to view it as another element size."""
+    return x.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """The inverse of `_as_bytes`: `rows` rows of `dtype` values."""
+    return b.contiguous().reshape(-1).view(dtype).view(rows, -1)
+
+
 @dataclass(frozen=True)
 class Reduction:
     """One gradient reduction of the per-device program, as constants of that program."""
@@ -351,8 +362,7 @@ class Quantize(Codec):
             stochastic=self.stochastic_rounding, seed=seed if self.stochastic_rounding else None,
         )
         # One payload row per rank: its quantised values, then its scales' bytes (one collective, not two).
-        q_bytes = q.view(torch.uint8).view(n_rows, -1)
-        s_bytes = scales.view(n_rows, -1).view(torch.uint8)
+        q_bytes, s_bytes = _as_bytes(q, n_rows), _as_bytes(scales, n_rows)
         return torch.cat([q_bytes, s_bytes], dim=1), new_res
 
     def decode(self, payload, cols):
@@ -362,7 +372,7 @@ class Quantize(Codec):
         q = payload[:, :qb].contiguous().view(-1)
         if self.bits == 8:
             q = q.view(torch.int8)
-        scales = payload[:, qb:].contiguous().view(torch.float32).view(-1)
+        scales = _from_bytes(payload[:, qb:], torch.float32, 1).view(-1)
         out = dequantize_blockwise(q, scales, bits=self.bits, block=self.block, numel=n_rows * cols)
         return out.view(n_rows, cols)
 
@@ -490,14 +500,14 @@ class TopK(Format):
             # already applied direction from a stale value.
             new["velocity"] = u.scatter(0, idx, torch.where(vals == 0, u.gather(0, idx), 0.0)).view(velocity.shape)
         index_dtype = torch.int32 if n < 2**31 else torch.int64
-        value_bytes = payload.view(torch.uint8)
-        packed = torch.cat([value_bytes, idx.to(index_dtype).view(1, k).view(torch.uint8)], dim=1)
+        value_bytes = _as_bytes(payload, 1)
+        packed = torch.cat([value_bytes, _as_bytes(idx.to(index_dtype), 1)], dim=1)
         got = _all_gather(packed, r)  # [world, value bytes + index bytes]
         vb = value_bytes.shape[1]
-        got_vals = got[:, :vb].contiguous().view(payload.dtype)
+        got_vals = _from_bytes(got[:, :vb], payload.dtype, r.world)
         if self.codec is not None:
             got_vals = self.codec.decode(got_vals, cols)
-        got_idx = got[:, vb:].contiguous().view(index_dtype)
+        got_idx = _from_bytes(got[:, vb:], index_dtype, r.world)
         dense = torch.zeros(n, dtype=torch.float32, device=x.device)
         # One rank at a time: within a rank the indices are distinct, so no two atomic adds race and every rank
         # sums in the same order (replicas of a data-parallel parameter stay bit-identical on GPUs too).

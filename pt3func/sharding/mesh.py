@@ -130,11 +130,21 @@ def mesh_of(device_mesh: DeviceMesh) -> Mesh:
     return mesh
 
 
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def _backend_for(device_type: str | None) -> str:
+    """gloo for a CPU mesh, else NCCL where CUDA is available. A local rank without a GPU of its own is refused:
+    torch's "invalid device ordinal" names neither the cause nor the way out."""
+    if device_type == "cpu" or not torch.cuda.is_available():
+        return "gloo"
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise ShardingError(
+            f"local rank {local_rank} has no GPU of its own: torch sees {gpus} CUDA device(s) on this node. "
+            f"Launch at most {gpus} process(es) per node, or run on the CPU with gloo: "
+            f"make_mesh(..., device_type='cpu') (or CUDA_VISIBLE_DEVICES= for the whole job)")
+    return "nccl"
 
 
-def _ensure_world(timeout: timedelta | None) -> None:
+def _ensure_world(timeout: timedelta | None, device_type: str | None = None) -> None:
     """Start the default process group if nobody has: from torchrun variables, else a world of one.
 
     `timeout=None` leaves torch's own default (30 min for gloo, 10 min for NCCL): a shorter one kills a job whose
@@ -142,7 +152,7 @@ def _ensure_world(timeout: timedelta | None) -> None:
     """
     if dist.is_initialized():
         return
-    backend = _default_backend()
+    backend = _backend_for(device_type)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
@@ -190,7 +200,8 @@ def make_mesh(
     """A mesh of `shape` with named axes over the torch.distributed world.
 
     Starts the default process group when none is running: from torchrun's variables (RANK, WORLD_SIZE,
-    MASTER_ADDR, ...), NCCL if CUDA is available else gloo; without a launcher, a world of one. `timeout` is that
+    MASTER_ADDR, ...), NCCL if CUDA is available (one GPU per local rank) else gloo, gloo for
+    `device_type='cpu'`; without a launcher, a world of one. `timeout` is that
     group's collective timeout (None: torch's default, 30 min for gloo, 10 min for NCCL); it has no effect on a
     world that is already running. The mesh must cover the world exactly. Collective: every rank calls it with the
     same arguments. Calling it again with the same arguments returns the same `Mesh`.
@@ -211,7 +222,7 @@ def make_mesh(
         if not in_rank_thread():
             return VirtualMesh(shape, axis_names, device_type or "cpu")
         virtual = False
-    _ensure_world(timeout)
+    _ensure_world(timeout, device_type)
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ShardingError(f"mesh shape {shape} has {math.prod(shape)} devices but the world has {world} "

@@ -1,6 +1,8 @@
 """Torch functions pt3func handles itself while a sharded step is traced (a TorchFunctionMode).
 
-- `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`).
+- `F.embedding` into a row-sharded table: lowered explicitly (`vocab_embedding.lookup`). On torch 2.11, whose
+  DTensor `index_put` rule fails for a split index, `table[idx]` with a split integer index as well
+  (`vocab_embedding.index_as_lookup`).
 - `F.batch_norm` / `F.instance_norm` in training mode: written out in DTensor ops, so the running statistics
   are updated where the step reads them (`batch_norm.py`).
 - Group normalisation, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded
@@ -22,17 +24,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from pt3func._compat import is_plain_shard
+from pt3func._compat import DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN, is_plain_shard
 from pt3func.spmd.batch_norm import batch_norm_exactly, instance_norm_exactly
 from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
 from pt3func.spmd.mean_loss import MEAN_LOSSES, exact_mean
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
 from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
-from pt3func.spmd.vocab_embedding import lookup
+from pt3func.spmd.vocab_embedding import index_as_lookup, lookup
 
 # Functions rewritten as `rule(args, kwargs)`, which returns None where DTensor's own path is right.
 _RULES: dict[Callable, Callable[[tuple, dict], Any]] = {
@@ -41,6 +44,8 @@ _RULES: dict[Callable, Callable[[tuple, dict], Any]] = {
     F.instance_norm: instance_norm_exactly,
     F.group_norm: group_norm_locally,
 }
+if DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN:
+    _RULES[torch.Tensor.__getitem__] = index_as_lookup
 
 
 class ShardedTraceOverrides(TorchFunctionMode):

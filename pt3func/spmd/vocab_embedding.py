@@ -40,21 +40,19 @@ def lookup(
         return None
     if tuple(wanted) != tuple(indices.placements):
         indices = indices.redistribute(mesh, wanted)
-    out_placements, grad_placements = [], []
+    # The output's gradient comes back in these placements with a partial sum's as replicated: from_local's
+    # default (torch 2.13's normalisation, 2.11's backward redistribution), so no grad_placements (2.11 lacks it).
+    out_placements = []
     for d in range(mesh.ndim):
         w, i = weight.placements[d], indices.placements[d]
         if d in row_dims:
             out_placements.append(Partial())
-            grad_placements.append(Replicate())  # d(partial sum)/d(each rank's part) is the whole gradient
         elif is_plain_shard(i):
             out_placements.append(i)
-            grad_placements.append(i)
         elif is_plain_shard(w):  # w.dim == 1: the embedding dim is split, the output's last dim
             out_placements.append(Shard(indices.ndim))
-            grad_placements.append(Shard(indices.ndim))
         else:
             out_placements.append(Replicate())
-            grad_placements.append(Replicate())
     # The local table's gradient holds only this rank's indices: a partial sum over the axes that split them.
     table_grad = [Partial() if is_plain_shard(i) and w.is_replicate() else w
                   for w, i in zip(weight.placements, indices.placements)]
@@ -68,7 +66,7 @@ def lookup(
         local_padding = padding - first if first <= padding < first + rows else None
     looked_up = F.embedding(torch.where(inside, local - first, 0), table, padding_idx=local_padding)
     looked_up = looked_up * inside.unsqueeze(-1).to(looked_up.dtype)
-    return DTensor.from_local(looked_up, mesh, out_placements, run_check=False, grad_placements=grad_placements)
+    return DTensor.from_local(looked_up, mesh, out_placements, run_check=False)
 
 
 def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:
@@ -81,3 +79,27 @@ def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:
         start = min(coordinate[d] * chunk, size)
         first, size = first + start, min(chunk, size - start)
     return first
+
+
+def index_as_lookup(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """`table[idx]` with a split integer index, computed as an embedding lookup (`F.embedding`, or `lookup` for a
+    row-split table), whose backward DTensor handles. Used where DTensor's `index_put` rule, the backward of
+    `table[idx]`, is broken for a split index (torch 2.11: `_compat.DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN`).
+    Negative indices count from the end, as indexing does. None (DTensor's own path) for any other index."""
+    if kwargs or len(args) != 2:
+        return None
+    table, index = args
+    if not isinstance(table, torch.Tensor) or not isinstance(index, DTensor) or table.ndim == 0:
+        return None
+    if index.dtype not in (torch.int64, torch.int32) or all(p.is_replicate() for p in index.placements):
+        return None
+    split_table = isinstance(table, DTensor) and not all(p.is_replicate() for p in table.placements)
+    if split_table and table.ndim != 2:
+        return None  # the lookup needs a 2-D table; reshaping a split one would move its blocks
+    n = table.shape[0]
+    index = torch.where(index < 0, index + n, index)
+    flat = table if table.ndim == 2 else table.reshape(n, -1)
+    out = lookup(index, flat)
+    if out is None:
+        out = F.embedding(index, flat)
+    return out if table.ndim == 2 else out.reshape(*index.shape, *table.shape[1:])
