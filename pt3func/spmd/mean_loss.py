@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from pt3func._compat import is_plain_shard
 
@@ -40,7 +40,7 @@ def exact_mean(func: Callable, args: tuple, kwargs: dict) -> Any:
     call = dict(bound.arguments)
     x, target, weight = call.get("input"), call.get("target"), call.get("weight")
     smoothing = call.get("label_smoothing", 0.0)
-    if (not _split_along_batch_only(x) or call.get("reduction", "mean") != "mean" or target is None
+    if (not _split_along_batch(x) or call.get("reduction", "mean") != "mean" or target is None
             or call.get("size_average") is not None or call.get("reduce") is not None
             or not isinstance(target, torch.Tensor) or target.is_floating_point()
             or (weight is not None and smoothing != 0.0)):
@@ -54,9 +54,10 @@ def exact_mean(func: Callable, args: tuple, kwargs: dict) -> Any:
     return per_target.sum() / total
 
 
-def _split_along_batch_only(x: Any) -> bool:
-    """A DTensor split along dim 0 over some mesh axis and whole over the others (class dims whole)."""
-    if not isinstance(x, DTensor):
-        return False
-    shards = [p for p in x.placements if not isinstance(p, Replicate)]
-    return bool(shards) and all(is_plain_shard(p) and p.dim == 0 for p in shards)
+def _split_along_batch(x: Any) -> bool:
+    """A DTensor of [batch, classes, ...] split along the batch over some mesh axis, whatever its other axes do:
+    classes split (a vocabulary-parallel head) or a pending sum (a row-parallel head) too. DTensor's rule averages
+    the batch blocks' means in those layouts as well; the per-target losses are exact in all of them."""
+    if not isinstance(x, DTensor) or x.ndim < 2:
+        return False  # a 1-D input is one sample's classes: dim 0 is no batch
+    return any(is_plain_shard(p) and p.dim == 0 for p in x.placements)

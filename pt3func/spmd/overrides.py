@@ -12,6 +12,9 @@
 - `F.cross_entropy` / `F.nll_loss` with a mean over a split batch: the whole batch's mean (`mean_loss.py`).
 - Convolutions (`F.conv*`, `F.conv_transpose*`) of a weight or input split other than along the batch: gathered
   first (`convolution.py`), where DTensor gave wrong numbers.
+- Scans (`cumsum`, ...) with a negative dim: the dim made non-negative, which DTensor's rule needs (`scans.py`).
+- `torch.empty_like` / `new_empty` of a pending sum: labelled replicated, so a later fill means what it does on
+  one device (`uninitialized.py`).
 - `F.scaled_dot_product_attention` with a plain-tensor `attn_mask` beside DTensor q, k, v: the mask (built
   inside the step, e.g. by Hugging Face models from the batch's global shape) becomes a DTensor split like q on
   the dims it has (batch, heads; a dim of size 1 broadcasts and stays whole). Left as a plain tensor it reached
@@ -35,6 +38,13 @@ from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
 from pt3func.spmd.mean_loss import MEAN_LOSSES, exact_mean
 from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
 from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
+from pt3func.spmd.scans import SCANS, with_dim_normalized
+from pt3func.spmd.uninitialized import (
+    FILLS_LIKE_A_PENDING_SUM,
+    UNINITIALIZED,
+    on_batch_split_inputs,
+    replicated_not_pending,
+)
 from pt3func.spmd.vocab_embedding import index_as_lookup, lookup
 
 # Functions rewritten as `rule(args, kwargs)`, which returns None where DTensor's own path is right.
@@ -74,6 +84,18 @@ class ShardedTraceOverrides(TorchFunctionMode):
             exact = exact_mean(func, args, kwargs)
             if exact is not None:
                 return exact
+        elif func in SCANS:
+            done = with_dim_normalized(func, args, kwargs)
+            if done is not None:
+                return done
+        elif func in UNINITIALIZED:
+            done = replicated_not_pending(func, args, kwargs)
+            if done is not None:
+                return done
+        elif func in FILLS_LIKE_A_PENDING_SUM:
+            done = on_batch_split_inputs(func, args, kwargs)
+            if done is not None:
+                return done
         elif func in CONVOLUTIONS:
             done = convolve_in_supported_layout(func, args, kwargs)
             if done is not None:
