@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from pt3func.trace.capture import storage_root
 from pt3func.trace.source import node_location
@@ -147,13 +149,117 @@ def program_text(
     return "\n".join(lines)
 
 
+# FLOP formulas for ops torch's FlopCounterMode has none for (it counts them as 0). On CPU,
+# F.scaled_dot_product_attention runs as `_scaled_dot_product_flash_attention_for_cpu`: without these the attention
+# of a transformer step (a third or more of its FLOPs) is missing from `cost_analysis()` and MFU. Same convention as
+# torch's: 2 FLOPs per multiply-add, attention without a causal discount. Each takes shapes, as torch's do.
+
+
+def _heads_of_query(query: Any, kv: Any) -> tuple[int, ...]:
+    """Key / value shape with the query's heads: grouped-query attention counted as each query head does its own
+    products (as torch 2.13's formulas do; older ones refuse fewer key heads)."""
+    return (kv[0], query[1], *kv[2:])
+
+
+def _sdpa_cpu_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, _heads_of_query(query, key), _heads_of_query(query, value))
+
+
+def _sdpa_cpu_backward_flop(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, _heads_of_query(query, key), _heads_of_query(query, value))
+
+
+def _mv_flop(matrix: Any, vector: Any, *args: Any, **kwargs: Any) -> int:
+    m, n = matrix
+    return 2 * m * n
+
+
+def _addmv_flop(bias: Any, matrix: Any, vector: Any, *args: Any, **kwargs: Any) -> int:
+    return _mv_flop(matrix, vector)
+
+
+def _dot_flop(a: Any, b: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * a[0]
+
+
+def _addbmm_flop(bias: Any, batch1: Any, batch2: Any, *args: Any, **kwargs: Any) -> int:
+    return bmm_flop(batch1, batch2)
+
+
+def _addr_flop(bias: Any, u: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * u[0] * v[0]  # the outer product and the add
+
+
+def _trilinear_flop(
+    i1: Any, i2: Any, i3: Any, expand1: Sequence[int], expand2: Sequence[int], expand3: Sequence[int],
+    sumdim: Sequence[int], *args: Any, **kwargs: Any,
+) -> int:
+    """`F.bilinear`'s op: 2 FLOPs per term of the sum over the broadcast index space (x1 [N, I], W [O, I, J],
+    x2 [N, J] -> 2 * N * O * I * J, a bilinear layer's multiply-adds as a linear layer's are counted)."""
+    sizes = []
+    for shape, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        full = list(shape)
+        for d in sorted(expand):
+            full.insert(d, 1)
+        sizes.append(full)
+    return 2 * math.prod(max(dims) for dims in zip(*sizes))
+
+
+def _shapes(formula: Callable[..., int]) -> Callable[..., int]:
+    """`formula` over shapes, callable with the op's values and `out_val` (torch's registry convention). Marked raw,
+    so FlopCounterMode does not wrap it again (where it did, the shapes would pass through unchanged)."""
+
+    def on_values(*args: Any, **kwargs: Any) -> int:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("out_val", "out_shape")}
+        args, kwargs = torch.utils._pytree.tree_map(
+            lambda v: v.shape if isinstance(v, torch.Tensor) else v, (args, kwargs)
+        )
+        return formula(*args, **kwargs)
+
+    on_values._get_raw = True  # type: ignore[attr-defined]
+    return on_values
+
+
+def _extra_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """Op packet -> formula, for the ops above that exist in this torch and have no formula of torch's own (a later
+    torch that registers one keeps its own)."""
+    formulas = {
+        "_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu_flop,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_cpu_backward_flop,
+        "mv": _mv_flop,
+        "addmv": _addmv_flop,
+        "dot": _dot_flop,
+        "vdot": _dot_flop,
+        "addbmm": _addbmm_flop,
+        "addr": _addr_flop,
+        "_trilinear": _trilinear_flop,
+    }
+    out = {}
+    for name, formula in formulas.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and packet not in flop_registry:
+            out[packet] = _shapes(formula)
+    return out
+
+
+_EXTRA_FLOPS = _extra_flop_formulas()
+
+
+def flop_formula(target: Any) -> Callable[..., int] | None:
+    """The FLOP formula of an op (torch's, or pt3func's for the ops torch has none for): called with the op's
+    argument values and `out_val=`; None for ops counted as 0."""
+    packet = getattr(target, "overloadpacket", target)
+    return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+
+
 def flops(gm: fx.GraphModule) -> int:
-    """FLOPs of one run of `gm`, counted by torch's FlopCounterMode over fake inputs (no real compute)."""
+    """FLOPs of one run of `gm`, counted by torch's FlopCounterMode over fake inputs (no real compute), with
+    pt3func's formulas for the ops torch has none for (CPU attention, matrix-vector products, bilinear)."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(vals)
     if fake_mode is None:
         return 0
-    with fake_mode, FlopCounterMode(display=False) as counter:
+    with fake_mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as counter:
         gm(*[v.clone() if isinstance(v, torch.Tensor) else v for v in vals])
     return int(counter.get_total_flops())
 
@@ -167,11 +273,48 @@ def comm_bytes(gm: fx.GraphModule) -> dict[str, int]:
     return dict(out)
 
 
+def held_bytes(vals: Sequence[Any]) -> int:
+    """Bytes of memory the tensors in `vals` occupy: each storage once, over the span its tensors reach.
+
+    Not numel * itemsize: a broadcast argument (`row.expand(1024, 1024)`, stride 0) holds one row, and a tensor
+    passed twice (or with a view of it) is one buffer. The span of a tensor runs from its first element to its last
+    one, `(sum((size - 1) * stride) + 1) * itemsize` (0 when empty).
+    """
+    spans: dict[Any, tuple[int, int]] = {}
+    total = 0
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.numel() == 0:
+            continue
+        start = v.storage_offset() * v.element_size()
+        end = start + (sum((size - 1) * stride for size, stride in zip(v.shape, v.stride())) + 1) * v.element_size()
+        try:
+            ref = StorageWeakRef(v.untyped_storage())
+        except (NotImplementedError, RuntimeError):  # a tensor without a storage of its own: its extent alone
+            total += end - start
+            continue
+        lo, hi = spans.get(ref, (start, end))
+        spans[ref] = (min(lo, start), max(hi, end))
+    return total + sum(hi - lo for lo, hi in spans.values())
+
+
 def _owner(node: fx.Node) -> fx.Node:
     if node.op == "call_function" and node.target is operator.getitem:
         return _owner(node.args[0])
     root = storage_root(node)
     return root if root is node else _owner(root)
+
+
+def _output_storage(node: fx.Node) -> fx.Node:
+    """The node whose value is the storage `node` lives in, as `_owner`, except that one output of a multi-output
+    op (`getitem`) is a storage of its own: a loss returned without `nll_loss_forward`'s total weight is 4 bytes."""
+    root = storage_root(node)
+    if root.op == "call_function" and root.target is operator.getitem and isinstance(root.args[0], fx.Node):
+        source = root.args[0]
+        base = storage_root(source)
+        return root if base is source else _output_storage(base)  # an output of a view op (split) is its input's
+    return root
 
 
 def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> dict[str, int]:
@@ -184,9 +327,12 @@ def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> d
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = nodes[-1]
     outs = [o for o in output_node.args[0] if isinstance(o, fx.Node)]
-    argument_bytes = sum(nbytes(p.meta.get("val")) for p in placeholders)
+    argument_bytes = held_bytes([p.meta.get("val") for p in placeholders])
     aliased_bytes = sum(nbytes(placeholders[i].meta.get("val")) for i in aliased_inputs)
-    output_bytes = sum(nbytes(o.meta.get("val")) for o in outs) + aliased_bytes
+    # One buffer returned twice, or with views of it ((y, y[:128], y.t())), is one storage: counted once, as the
+    # compiled program's figure does; an output that is an argument (or a view of one) holds no new memory.
+    out_owners = {_output_storage(o) for o in outs}
+    output_bytes = sum(nbytes(o.meta.get("val")) for o in out_owners if o.op != "placeholder") + aliased_bytes
     last_use: dict[fx.Node, int] = {}
     for idx, node in enumerate(nodes):
         for used in node.all_input_nodes:
@@ -236,7 +382,7 @@ def compiled_memory_analysis(
     replay = wrapper_memory(wrapper_source, device_type, [v.dtype for v in tensors])
     if replay is None:
         return None
-    argument_bytes = sum(nbytes(v) for v in vals)
+    argument_bytes = held_bytes(vals)
     aliased_bytes = sum(nbytes(vals[i]) for i in aliased_inputs)
     peak_bytes = argument_bytes + replay.peak_bytes
     return {

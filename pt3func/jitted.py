@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import logging
 import numbers
+import warnings
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -101,26 +103,38 @@ class Jitted:
         self.cuda_graphs = bool(cuda_graphs)
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
-        self._seen: list[tuple[Any, list[str], list[str]]] = []  # signatures traced so far, for explanations
+        self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
         self._agreed: set = set()  # plain-input signatures the ranks of a process world were checked to agree on
         self._leaf_memo = LeafKeyMemo(leaf_key)  # keys of the leaves the last call returned (and kept valid)
-        functools.update_wrapper(self, fn)
+        self._grad_input_programs: set[int] = set()  # ids of programs compiled (under no_grad) for grad inputs
+        self._warned_eager = False
+        # updated=(): copying fn.__dict__ (a pf.grad / functools.wraps wrapper of another Jitted carries that one's
+        # attributes) over ours made this Jitted run the inner function, with the inner one's options. A user's own
+        # attributes of fn are still copied, where they name nothing of ours.
+        functools.update_wrapper(self, fn, updated=())
+        for name, value in getattr(fn, "__dict__", {}).items():
+            if not name.startswith("_") and name not in self.__dict__:
+                self.__dict__[name] = value
 
     def _key(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
         dynamic, static = split_static(self._spec, args, kwargs)
         types = static_types(static)
+        # The key order and type of every dict among the arguments: a step may iterate a dict, and a treedef
+        # compares dicts by their sorted keys (a program traced for {"b", "a"} ran for {"a", "b"}).
+        orders = _dict_orders(dynamic)
         last = self._leaf_memo.last()
         if last is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
-            # are taken (`flatten_up_to`: no sorting of dict keys), its DTensor keys are the very objects when it
-            # returned those leaves (compared by identity); then its program again, nothing hashed.
+            # are taken (`flatten_up_to`: no sorting of dict keys; it takes a dict for an OrderedDict, so the dicts'
+            # types and key orders are compared apart), its DTensor keys are the very objects when it returned
+            # those leaves (compared by identity); then its program again, nothing hashed.
             try:
                 leaves = last.treedef.flatten_up_to(dynamic)
             except (ValueError, TypeError):  # another structure
                 leaves = None
-            if leaves is not None and last.static == static and last.key[2] == types:
+            if leaves is not None and last.static == static and last.key[2] == types and last.key[4] == orders:
                 leaf_keys = tuple(self._leaf_memo.keys(leaves))
                 if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
                     return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
@@ -129,7 +143,8 @@ class Jitted:
             leaves, treedef = tree.flatten(dynamic)
         leaf_keys = tuple(self._leaf_memo.keys(leaves))
         try:
-            key = (treedef, static, types, leaf_keys)
+            # The program's signature (`Program.key`, as `Compiled.__call__` computes it) and the dicts' orders.
+            key = (treedef, static, types, leaf_keys, orders)
             compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here
         except TypeError:
             check_hashable(static, lambda: [repr(s) for s in static])
@@ -154,16 +169,24 @@ class Jitted:
             if vmesh is not None:
                 return virtual_call(vmesh, self, args, kwargs)
         if self.in_shardings is not None:
-            args = lower.apply_in_shardings(
-                args, self.in_shardings, self._spec.static_argnums, self._spec.param_names, (self.name, self._agreed)
+            args, kwargs = lower.apply_in_shardings_to_call(
+                args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
+                self._spec.param_names, (self.name, self._agreed),
             )
         key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
         if compiled is None:
+            grad_inputs = _any_requires_grad(leaves)
+            if grad_inputs and torch.is_grad_enabled():
+                return self._run_eagerly(args, kwargs, leaves, treedef, static)
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
             refuse_donating_captured(lowered._program, leaves)  # before Inductor compiles it (AOTAutograd fails)
             compiled = lowered.compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled
+            if grad_inputs:  # compiled under no_grad: the same inputs with grad mode on must run eagerly
+                self._grad_input_programs.add(id(compiled))
+        elif self._grad_input_programs and id(compiled) in self._grad_input_programs and torch.is_grad_enabled():
+            return self._run_eagerly(args, kwargs, leaves, treedef, static)
         if compiled._switch is not None:  # an exchange guard picks the program
             if compiled._switch.program is None:  # still in its trials: two programs, the outputs not remembered
                 self._leaf_memo.forget()
@@ -181,6 +204,27 @@ class Jitted:
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
 
+    def _run_eagerly(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], treedef: Any, static: tuple
+    ) -> Any:
+        """Run the function itself, for autograd: a compiled program runs under no_grad, so its outputs would not
+        require grad and `pf.grad(pf.jit(loss))` gave zeros. As `jax.grad(jax.jit(f))` differentiates through f."""
+        if not self._warned_eager:
+            self._warned_eager = True
+            labels = leaf_labels(self._spec, treedef, static)
+            needing = [label for label, leaf in zip(labels, leaves) if getattr(leaf, "requires_grad", False)]
+            warnings.warn(
+                f"{self.name}: called with tensors that require grad ({', '.join(needing[:5])}) while grad mode is "
+                "on, so it runs eagerly (not compiled) for autograd to differentiate it. To compile it, take the "
+                "gradient inside the step (pf.jit(pf.grad(loss)) / pf.value_and_grad), or pass tensors that do "
+                "not require grad (.detach(), pf.functionalize's params), or call it under torch.no_grad().",
+                stacklevel=3,
+            )
+        if any(isinstance(leaf, DTensor) for leaf in leaves):  # as a sharded step is traced, so the same numbers
+            with _sharded_tracing():
+                return self.fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
         if VirtualWorld._installed and not in_rank_thread():
@@ -188,15 +232,17 @@ class Jitted:
             if vmesh is not None:  # every rank lowers its own program; rank 0's is shown
                 return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
         if self.in_shardings is not None:
-            args = lower.apply_in_shardings(
-                args, self.in_shardings, self._spec.static_argnums, self._spec.param_names, (self.name, self._agreed)
+            args, kwargs = lower.apply_in_shardings_to_call(
+                args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
+                self._spec.param_names, (self.name, self._agreed),
             )
-        key, leaves, treedef, static, _, _ = self._key(args, kwargs)
+        key, leaves, treedef, static, compiled, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
+        if lowered is None and compiled is not None:
+            # Called before with this signature: its program, not a second trace (that counted as a cache miss).
+            return compiled.lowered
         if lowered is None:
             lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key)
-            # Already compiled for this signature (called before): `lower(...).compile()` returns that program.
-            lowered._compiled = self._cache.get(key)
         return lowered
 
     def exchange_decision(self) -> Any:
@@ -213,11 +259,13 @@ class Jitted:
         """How many distinct signatures have been traced (the number of cache misses so far)."""
         return len(self._seen)
 
-    def _explain_miss(self, labels: list[str], descriptions: list[str], treedef: Any, static: tuple) -> None:
+    def _explain_miss(
+        self, labels: list[str], descriptions: list[str], treedef: Any, static: tuple, key: Any
+    ) -> None:
         if not self._seen:
             log.warning("%s: tracing for the first time", self.name)
             return
-        old_treedef, old_labels, old_desc = self._seen[-1]
+        old_treedef, old_labels, old_desc, old_key = self._seen[-1]
         reasons = []
         if old_treedef != treedef:
             reasons.append(f"the pytree structure of the arguments changed: {old_treedef} -> {treedef}")
@@ -225,8 +273,16 @@ class Jitted:
             for label, a, b in zip(labels, old_desc, descriptions):
                 if a != b:
                     reasons.append(f"{label}: {a} -> {b}")
+        if not reasons and old_key[1] != static:
+            reasons.append(f"static arguments changed: {old_key[1]} -> {static}")
+        if not reasons and old_key[2] != key[2]:
+            reasons.append(f"the trace modes or static argument types changed: {old_key[2]} -> {key[2]}")
+        if not reasons and old_key[4] != key[4]:
+            was, now = next(((a, b) for a, b in zip(old_key[4], key[4]) if a != b), (old_key[4], key[4]))
+            reasons.append(f"the key order or type of a dict among the arguments changed: {was} -> {now}")
         if not reasons:
-            reasons.append(f"static arguments changed: {static}")
+            reasons.append("a leaf's signature changed (strides, device or mesh): "
+                           f"{_differing_keys(labels, old_key[3], key[3])}")
         log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
 
     def _lower_from(
@@ -244,7 +300,7 @@ class Jitted:
                 )
         descriptions = [describe_leaf(leaf) for leaf in leaves]
         if config.explain_cache_misses and _reference is None:
-            self._explain_miss(labels, descriptions, treedef, static)
+            self._explain_miss(labels, descriptions, treedef, static, key)
         owner = leaf_argument(spec, treedef, static)
         donated_leaves = [
             i
@@ -433,7 +489,7 @@ class Jitted:
             cuda_graphs=self.cuda_graphs,
             scalar_device=device,
             spec=spec,
-            key=key,
+            key=key[:4],  # the signature `Compiled.__call__` checks (without the dicts' orders)
             dtensor_out=dtensor_out,
             plain_out_shardings=out_info["plain_out"],
             notes={**lower.collective_notes(gm), **remat_notes(gm)},
@@ -442,7 +498,7 @@ class Jitted:
         if _reference is not None:
             lowered._example_inputs = None  # compiled on the guard's second call: do not keep the first batch alive
             return lowered
-        self._seen.append((treedef, labels, descriptions))
+        self._seen.append((treedef, labels, descriptions, key))
         if guard is not None:
             reference = self._lower_from(leaves, treedef, static, key, (untouched, out_info, guard.reference))
             mesh = next((meta.device_mesh for meta in dtensor_in.values()), None)
@@ -493,6 +549,49 @@ def _budget_fraction(memory_budget: Any) -> float | None:
     if not 0.0 <= fraction <= 1.0:  # NaN fails this too
         raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {fraction}")
     return fraction
+
+
+def _differing_keys(labels: list[str], old: tuple, new: tuple) -> str:
+    diffs = [f"{label}: {a} -> {b}" for label, a, b in zip(labels, old, new) if a != b]
+    return "; ".join(diffs[:5]) or "none found"
+
+
+def _dict_orders(x: Any) -> tuple:
+    """The key order of every dict in `x` (depth first, in insertion order), with the type (and default factory)
+    of every OrderedDict / defaultdict: what a treedef and `flatten_up_to` leave out. Walks dicts, lists and
+    tuples (namedtuples too); a dict inside another kind of node is not looked at."""
+    out: list[Any] = []
+    _collect_dict_orders(x, out)
+    return tuple(out)
+
+
+def _collect_dict_orders(x: Any, out: list[Any]) -> None:
+    t = type(x)
+    if t is dict:
+        out.append(tuple(x))
+        values: Any = x.values()
+    elif t is OrderedDict or t is defaultdict:
+        out.append((t, x.default_factory if t is defaultdict else None, tuple(x)))
+        values = x.values()
+    elif t is tuple or t is list or isinstance(x, tuple):
+        values = x
+    else:
+        return
+    for v in values:
+        t = type(v)
+        if t in _WALKED or (t not in _LEAVES and isinstance(v, tuple)):  # the common leaves: no call
+            _collect_dict_orders(v, out)
+
+
+_WALKED = frozenset({dict, OrderedDict, defaultdict, list, tuple})
+_LEAVES = frozenset({torch.Tensor, DTensor, float, int, bool})
+
+
+def _any_requires_grad(leaves: list[Any]) -> bool:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return True
+    return False
 
 
 def _hashable(x: Any) -> bool:
@@ -550,6 +649,15 @@ def _out_sharding_leaves(out_shardings: Any, out: Any, out_treedef: Any) -> list
         return [None] * out_treedef.num_leaves
     from pt3func.sharding.put import broadcast_shardings
 
+    # Checked first on the output's skeleton (its paths as leaves): a mismatch message formats the value, and
+    # formatting traced tensors raised the print guard's ImpureFunctionError, blaming collections' repr.
+    skeleton = tree.unflatten(out_treedef, ["out" + tree.keystr(p) for p in _paths_of(out_treedef)])
+    try:
+        broadcast_shardings(skeleton, out_shardings)
+    except ShardingError as exc:
+        raise ShardingError(
+            f"out_shardings {out_shardings!r} does not fit the step's output {skeleton!r}: {exc}"
+        ) from None
     _paths, _leaves, per_leaf, _treedef = broadcast_shardings(out, out_shardings)
     return [s for s, leaf in zip(per_leaf, _leaves) if leaf is not None]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,17 +13,20 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pt3func import analysis, tree
 from pt3func._compat import inductor_output_code
 from pt3func.config import config
 from pt3func.errors import DonationError, TracingError
 from pt3func.passes.donation import DonationPlan
+from pt3func.runtime import virtual
 from pt3func.runtime.backend import compile_program
 from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate
+from pt3func.sharding.mesh import get_mesh
 from pt3func.spmd.lower import place_plain_output
-from pt3func.trace.signature import ArgSpec, leaf_key, split_call, static_types
+from pt3func.trace.signature import ArgSpec, leaf_key, leaf_labels, split_call, static_types
 
 
 @dataclass
@@ -68,6 +74,17 @@ class Lowered:
         # Set by pf.jit where an exchange guard applies (pt3func/compress/guard.py): given this program compiled,
         # the switch that times it against the reference program and runs the one it keeps.
         self._make_switch: Callable[[Compiled], Any] | None = None
+        # Lowered in a virtual mesh's rank thread: that thread owns the process groups its collectives name, so it
+        # compiles there (Inductor resolves them), and every rank's program is found by (rank, sequence number).
+        self._virtual: tuple[Any, int, int] | None = None
+        self._mesh = get_mesh()  # the mesh the step was lowered under: where Compiled places plain arguments
+        world = getattr(virtual._LOCAL, "world", None)
+        if world is not None:
+            rank = virtual._LOCAL.rank
+            seq = _next_rank_lowering()
+            with _RANK_LOCK:  # every rank thread registers at once
+                _RANK_LOWERINGS.setdefault(world, weakref.WeakValueDictionary())[(rank, seq)] = self
+            self._virtual = (world, rank, seq)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -125,6 +142,9 @@ class Lowered:
         """Compile with the chosen backend (Inductor compiles here, once; later calls return that result)."""
         if self._compiled is not None:
             return self._compiled
+        if self._virtual is not None and not virtual.in_rank_thread():
+            world, rank, _ = self._virtual
+            return world.run(lambda r: self.compile() if r == rank else None)[rank]
         p = self._program
         examples = self._example_inputs
         if examples is None:  # released after an earlier compile: rebuild from the traced metadata
@@ -230,16 +250,77 @@ class Compiled:
         warnings.warn(message, stacklevel=4)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run on arguments of the signature this was compiled for (else raise: use the `Jitted` to retrace)."""
+        """Run on arguments of the signature this was compiled for (else raise: use the `Jitted` to retrace).
+
+        Plain tensors where the program takes sharded ones are placed as `in_shardings` placed them at `lower()`
+        (each rank keeps its block of the global value), so `step.lower(*args).compile()(*args)` runs."""
         p = self._program
+        if self.lowered._virtual is not None and not virtual.in_rank_thread():
+            return self._call_virtual(args, kwargs)
         leaves, treedef, static = split_call(p.spec, args, kwargs)
         key = (treedef, static, static_types(static), tuple([leaf_key(leaf) for leaf in leaves]))
         if key != p.key:
-            raise TracingError(
-                f"{p.name}: this Compiled was built for another signature (pytree structure, shapes, dtypes or "
-                "static values differ); call the jitted function instead, which traces again when needed"
-            )
+            leaves = self._place_plain_leaves(leaves, key)
+            key = (treedef, static, key[2], tuple([leaf_key(leaf) for leaf in leaves]))
+            if key != p.key:
+                raise TracingError(_signature_mismatch(p, key))
         return self.run_leaves(leaves)
+
+    def _place_plain_leaves(self, leaves: list[Any], key: tuple) -> list[Any]:
+        """The call's leaves with each plain tensor the program takes as a DTensor placed as at `lower()`: what
+        `in_shardings` did there (`spmd.lower.apply_in_shardings`, which `Jitted.lower` applies before tracing)."""
+        p = self._program
+        if key[:3] != p.key[:3]:  # another structure or static values: nothing to place
+            return leaves
+        meshes = self._device_meshes(leaves)
+        placed = list(leaves)
+        for i, (leaf, want) in enumerate(zip(leaves, p.key[3])):
+            if p.input_leaf_kind[i] != "dtensor" or not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
+                continue
+            _, shape, dtype, mesh_id, placements, _ = want
+            mesh = meshes.get(mesh_id)
+            if mesh is None or leaf.shape != shape or leaf.dtype != dtype:
+                continue  # not what the program takes: the signature error names it
+            # A plain tensor is the global value every rank holds: each rank keeps its block, no communication.
+            placed[i] = distribute_tensor(leaf, mesh, placements, src_data_rank=None)
+        return placed
+
+    def _device_meshes(self, leaves: list[Any]) -> dict[int, Any]:
+        """id -> DeviceMesh of the meshes the program's DTensor inputs may live on (the signature names them by id)."""
+        found: dict[int, Any] = {}
+        for mesh in (self.lowered._mesh, get_mesh()):
+            if mesh is not None:
+                try:
+                    found[id(mesh.device_mesh)] = mesh.device_mesh
+                except Exception:  # noqa: BLE001 - a virtual mesh outside its rank threads has none
+                    pass
+        for meta in self._program.dtensor_out.values():
+            found[id(meta.device_mesh)] = meta.device_mesh
+        for leaf in leaves:
+            if isinstance(leaf, DTensor):
+                found[id(leaf.device_mesh)] = leaf.device_mesh
+        return found
+
+    def _call_virtual(self, args: tuple, kwargs: dict) -> Any:
+        """Called outside a virtual mesh's rank threads: every rank runs its own program (lowered alongside this
+        one, rank 0's) on its view of the arguments, as a jitted call there does; outputs are virtual arrays."""
+        world, _, seq = self.lowered._virtual
+        with _RANK_LOCK:
+            peers = _RANK_LOWERINGS.get(world, {})
+            per_rank = [peers.get((r, seq)) for r in range(world.size)]
+        p = self._program
+        mesh = virtual.find_mesh(args, kwargs) or self.lowered._mesh
+        if any(
+            q is None or q._program.name != p.name or q._program.key[:3] != p.key[:3] for q in per_rank
+        ) or not isinstance(mesh, virtual.VirtualMesh):
+            raise TracingError(
+                f"{p.name}: this Compiled is rank 0's program of a virtual mesh whose other ranks' programs are gone; "
+                "call the jitted function instead"
+            )
+        outs = mesh.run(
+            lambda r: per_rank[r].compile()(*virtual.scatter_tree(args, r), **virtual.scatter_tree(kwargs, r))
+        )
+        return virtual.gather_trees(mesh, outs)
 
     def run_leaves(self, leaves: list[Any]) -> Any:
         if self._switch is not None:
@@ -304,6 +385,60 @@ class Compiled:
         if self._output_keys is None:
             self._output_keys = [leaf_key(x) if isinstance(x, torch.Tensor) else None for x in out_leaves]
         return self._output_keys
+
+
+# Virtual meshes: per world, (rank, sequence number) -> each Lowered made in that rank thread. Every rank thread
+# lowers the same steps in the same order, so the n-th of each rank are one step's per-rank programs.
+_RANK_LOWERINGS: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary] = weakref.WeakKeyDictionary()
+_RANK_SEQ = threading.local()
+_RANK_LOCK = threading.Lock()
+
+
+def _next_rank_lowering() -> int:
+    counter = getattr(_RANK_SEQ, "counter", None)
+    if counter is None:
+        counter = _RANK_SEQ.counter = itertools.count()
+    return next(counter)
+
+
+def _describe_key(k: Any, strides: bool = False) -> str:
+    """One leaf's signature key (`trace.signature.leaf_key`) in words: `float32[16, 8] on cpu`."""
+    if isinstance(k, tuple) and len(k) == 6 and isinstance(k[0], type):  # a DTensor's
+        _, shape, dtype, _, placements, layout = k
+        text = f"{str(dtype).replace('torch.', '')}{list(shape)} placements={tuple(placements)}"
+        return text + (f" strides={layout}" if strides else "")
+    if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], torch.Size):
+        shape, dtype, device, layout = k
+        text = f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+        return text + (f" strides={layout}" if strides else "")
+    if isinstance(k, tuple) and len(k) == 2 and k[0] == "static":
+        return f"static {k[1]!r}"
+    if isinstance(k, type):
+        return f"Python {k.__name__} (traced)"
+    return repr(k)
+
+
+def _signature_mismatch(p: Program, key: tuple) -> str:
+    """What differs between the signature `p` was compiled for and a call's `key`: pytree paths, old -> new."""
+    treedef, static, types, leaf_keys = key
+    if treedef != p.key[0]:
+        reasons = [f"the pytree structure of the arguments changed: {p.key[0]} -> {treedef}"]
+    elif static != p.key[1] or types != p.key[2]:
+        reasons = [f"static arguments or trace modes changed: {p.key[1]} -> {static}"]
+    else:
+        labels = leaf_labels(p.spec, treedef, static)
+        reasons = []
+        for label, old, new in zip(labels, p.key[3], leaf_keys):
+            if old != new:
+                before, after = _describe_key(old), _describe_key(new)
+                if before == after:  # the same shape, dtype and device: the strides differ (or the mesh)
+                    before, after = _describe_key(old, strides=True), _describe_key(new, strides=True)
+                # Alike in words: DTensors on two meshes (a signature names its mesh by identity).
+                reasons.append(f"{label}: {before} -> {after}" + (" on another mesh" if before == after else ""))
+    return (
+        f"{p.name}: this Compiled was built for another signature: " + "; ".join(reasons[:10])
+        + ". Call the jitted function instead, which traces again when needed"
+    )
 
 
 def _aliased_graph_inputs(p: Program) -> list[int]:

@@ -76,8 +76,9 @@ def value_and_grad(
     """Return a function computing `fn`'s value and its gradient with respect to `args[argnums]`.
 
     `fn` must return a scalar tensor (or `(scalar, aux)` with `has_aux=True`). The gradient has the
-    structure of the differentiated argument (a tuple of them when `argnums` is a sequence); leaves that
-    are not floating-point tensors get `None`. Returns `(value, grads)` or `((value, aux), grads)`.
+    structure of the differentiated argument (a tuple of them when `argnums` is a sequence); a Python float
+    is differentiated as a 0-d tensor (as `pf.jit` traces it); other leaves that are not floating-point or
+    complex tensors get `None`. Returns `(value, grads)` or `((value, aux), grads)`.
     Nests (grad of grad) and works inside `pf.jit`.
     """
     nums = _as_argnums(argnums)
@@ -104,7 +105,7 @@ def value_and_grad(
                     f"{getattr(fn, '__name__', fn)}: argnums={argnums} asks for positional argument {i}, "
                     f"but only {len(args)} were given"
                 )
-        diff_leaves, spec = tree.flatten(tuple(args[i] for i in nums))
+        diff_leaves, spec = _differentiated_leaves(args, nums)
         # Nested differentiation keeps the gradient's graph: an outer grad tracks these leaves, or (the inner grad
         # of a gradient penalty, taken over the data) the tensors `fn` closes over.
         depth = differentiation_depth()
@@ -120,21 +121,39 @@ def value_and_grad(
     return wrapped
 
 
+def _differentiated_leaves(args: tuple, nums: tuple[int, ...]) -> tuple[list[Any], Any]:
+    """The leaves of the differentiated arguments and their structure.
+
+    Classes registered with `torch.utils._pytree` are adopted first, as `pf.jit` does (else such an argument was one
+    opaque leaf and got a None gradient outside `pf.jit` only). A Python float becomes a 0-d tensor of the default
+    dtype, the input `pf.jit` traces it as: its gradient is a 0-d tensor with or without `pf.jit`, as JAX gives one
+    for a Python float (ints and bools are not differentiated).
+    """
+    diff_leaves, spec = tree.flatten_adopting(tuple(args[i] for i in nums))
+    if any(type(leaf) is float for leaf in diff_leaves):
+        device = next((x.device for x in tree.leaves(args) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        dtype = torch.get_default_dtype()
+        diff_leaves = [torch.tensor(x, dtype=dtype, device=device) if type(x) is float else x for x in diff_leaves]
+    return diff_leaves, spec
+
+
 def _value_and_grad_call(
     fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, argnums: Any, args: tuple, kwargs: dict,
     diff_leaves: list[Any], spec: Any, create_graph: bool,
 ) -> Any:
     grad_enabled = torch.is_grad_enabled()
     with torch.enable_grad():
+        # A leaf that already requires grad is differentiated through a view of its own, one per occurrence: the
+        # caller's tensor itself, given twice ({"a": x, "b": x}), got the sum of both gradients at each place.
         prepared = [
-            (leaf if create_graph and leaf.requires_grad else leaf.detach().requires_grad_())
+            (leaf.view_as(leaf) if create_graph and leaf.requires_grad else leaf.detach().requires_grad_())
             if _differentiable(leaf)
             else leaf
             for leaf in diff_leaves
         ]
         if get_proxy_mode() is None:
-            for p, leaf in zip(prepared, diff_leaves):
-                if _differentiable(p) and p is not leaf:  # made here (a caller's tensor stays the caller's)
+            for p in prepared:
+                if _differentiable(p):
                     _PREPARED[id(p)] = p
         used = prepared
         if any(isinstance(p, DTensor) for p in prepared):
@@ -227,7 +246,7 @@ def _check_scalar(fn: Callable[..., Any], value: Any) -> None:
 def _functorch_value_and_grad(
     fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, argnums: Any, args: tuple, kwargs: dict
 ) -> Any:
-    diff_leaves, spec = tree.flatten(tuple(args[i] for i in nums))
+    diff_leaves, spec = _differentiated_leaves(args, nums)
     positions = [k for k, leaf in enumerate(diff_leaves) if _differentiable(leaf)]
 
     def flat_fn(*wrt: torch.Tensor) -> Any:
@@ -291,12 +310,11 @@ def _leaf_axes(axes: Any, args: tuple[Any, ...]) -> list[int | None]:
             out.extend([ax] * len(tree.leaves(arg)))
             continue
         try:
-            full = optree.tree_broadcast_prefix(ax, arg, none_is_leaf=True, namespace=tree.NAMESPACE)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"vmap in_axes[{position}] = {ax!r} is not a pytree prefix of argument {position}: "
+            axes_leaves = tree.broadcast_prefix(ax, arg, none_is_leaf=True)
+        except tree.PrefixError as exc:
+            raise ValueError(f"vmap in_axes[{position}] is not a pytree prefix of argument {position}: "
                              f"{exc}") from None
         arg_leaves = optree.tree_leaves(arg, none_is_leaf=True, namespace=tree.NAMESPACE)
-        axes_leaves = optree.tree_leaves(full, none_is_leaf=True, namespace=tree.NAMESPACE)
         out.extend(a for a, leaf in zip(axes_leaves, arg_leaves) if leaf is not None)
     bad = [a for a in out if a is not None and not isinstance(a, int)]
     if bad:
@@ -381,8 +399,11 @@ def vmap(
             return out_tree
         if isinstance(out_axes, int) or out_axes is None:
             return tree.map(lambda x: x[0] if out_axes is None else torch.movedim(x, 0, out_axes), out_tree)
-        full = optree.tree_broadcast_prefix(out_axes, out_tree, none_is_leaf=True, namespace=tree.NAMESPACE)
-        return tree.map(lambda x, ax: x[0] if ax is None else torch.movedim(x, 0, ax), out_tree, full)
+        # None outputs are leaves here, so that an axis given for one (out_axes=(1, 0) over `(y, None)`) covers it
+        axes = _out_leaf_axes(out_axes, out_tree)
+        out_leaves, out_structure = optree.tree_flatten(out_tree, none_is_leaf=True, namespace=tree.NAMESPACE)
+        moved = [x if x is None else x[0] if ax is None else torch.movedim(x, 0, ax) for x, ax in zip(out_leaves, axes)]
+        return optree.tree_unflatten(out_structure, moved)
 
     return wrapped
 
@@ -396,17 +417,21 @@ def _check_unmapped_outputs(fn: Callable[..., Any], out: Any, out_axes: Any) -> 
     ns = tree.NAMESPACE
     out_paths = optree.tree_paths(out, none_is_leaf=True, namespace=ns)
     out_leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=ns)
-    if out_axes is None:
-        axes: list[Any] = [None] * len(out_leaves)
-    else:
-        full = optree.tree_broadcast_prefix(out_axes, out, none_is_leaf=True, namespace=ns)
-        axes = optree.tree_leaves(full, none_is_leaf=True, namespace=ns)
+    axes: list[Any] = [None] * len(out_leaves) if out_axes is None else _out_leaf_axes(out_axes, out)
     for path, ax, leaf in zip(out_paths, axes, out_leaves):
         if ax is None and isinstance(leaf, torch.Tensor) and torch._C._functorch.maybe_get_level(leaf) == level:
             raise ValueError(
                 f"vmap({getattr(fn, '__name__', fn)}): out_axes is None for output{tree.keystr(path)} "
                 f"(returned once, for every example), but it differs from example to example; give it an axis"
             )
+
+
+def _out_leaf_axes(out_axes: Any, out: Any) -> list[Any]:
+    """The `out_axes` prefix broadcast over the output's leaves (None outputs included)."""
+    try:
+        return tree.broadcast_prefix(out_axes, out, none_is_leaf=True)
+    except tree.PrefixError as exc:
+        raise ValueError(f"vmap out_axes is not a pytree prefix of the output: {exc}") from None
 
 
 def _run_vectorised(vectorised: Callable[..., Any], leaves: list[Any], axes: list[int | None]) -> tuple:

@@ -55,6 +55,14 @@ def _encode(spec: optree.PyTreeSpec, path: tuple[str, ...]) -> Any:
     names = list(spec.type._fields) if kind == optree.PyTreeKind.NAMEDTUPLE else [str(e) for e in entries]
     children = [_encode(child, (*path, name)) for child, name in zip(spec.children(), names)]
     if kind in DICT_KINDS:
+        for key, name in zip(entries, names):
+            if not _json_key(key):
+                # The manifest keeps dict keys as JSON; refuse now, before any file is written, not in the commit.
+                raise CheckpointError(
+                    f"the dict key {key!r} at {'/'.join((*path, name))!r} is a {type(key).__name__}, which the "
+                    f"checkpoint's manifest (JSON) cannot hold; use str, int, float, bool, None or tuples of "
+                    f"them as keys (e.g. {str(key)!r})"
+                )
         return {"dict": [[key, child] for key, child in zip(entries, children)]}
     if kind == optree.PyTreeKind.LIST:
         return {"list": children}
@@ -63,6 +71,13 @@ def _encode(spec: optree.PyTreeSpec, path: tuple[str, ...]) -> Any:
     if kind == optree.PyTreeKind.NAMEDTUPLE:
         return {"namedtuple": _type_name(spec.type), "fields": names, "children": children}
     return {"custom": _type_name(spec.type), "children": children}
+
+
+def _json_key(key: Any) -> bool:
+    """Whether JSON holds `key` (a tuple as a list, which `unflatten` turns back into a tuple)."""
+    if isinstance(key, tuple):
+        return all(_json_key(k) for k in key)
+    return key is None or isinstance(key, (str, int, float))  # bool is an int
 
 
 def _namedtuple_class(name: str, fields: list[str]) -> Callable[..., Any]:

@@ -119,6 +119,7 @@ class CheckpointManager:
             mesh.run(lambda rank: ranks[rank].save(step, scatter_tree(tree, rank)))
             return
         self.wait()
+        _check_storable(flat)
         latest = self._broadcast(self.latest_step() if self._rank() == 0 else None)  # rank 0's disk decides
         if latest is not None and step < latest:
             # Steps are ordered by number (latest_step, restore(), max_to_keep): an older one saved after a newer
@@ -141,8 +142,15 @@ class CheckpointManager:
         options: dict[str, Any] = {"storage_writer": dcp.FileSystemWriter(tmp), "process_group": self._ckpt_group(),
                                    "no_dist": not _distributed()}
         if self.async_save:
-            written = dcp.async_save(state_dict, **options)
-            self._pending = (int(step), self._executor.submit(self._commit, written, tmp, manifest))
+            try:
+                written = dcp.async_save(state_dict, **options)  # stages (copies) the tensors before it returns
+            except _FAILURES as e:  # a staging failure: raised by wait() as a CheckpointError, as a sync save's is
+                failed: Future = Future()
+                failed.set_exception(e)
+                self._pending = (int(step), failed)
+                self.wait()
+            else:
+                self._pending = (int(step), self._executor.submit(self._commit, written, tmp, manifest))
         else:
             done: Future = Future()
             try:
@@ -209,11 +217,20 @@ class CheckpointManager:
         """
         mesh = None if target is None else _virtual_mesh(keys.flatten(target)[0].values())
         if mesh is not None:
-            from pt3func.runtime.virtual import gather_trees, scatter_tree
+            from pt3func.runtime.virtual import VirtualArray, scatter_tree
 
             ranks = self._rank_managers(mesh)
-            return gather_trees(mesh, mesh.run(lambda rank: ranks[rank].restore(
-                step, scatter_tree(target, rank), fallback=fallback, verify=verify)))
+            per_rank = mesh.run(lambda rank: ranks[rank].restore(
+                step, scatter_tree(target, rank), fallback=fallback, verify=verify))
+            # Only the target's virtual arrays come back as virtual arrays; a plain tensor stays plain (rank 0's;
+            # every rank restored the same full value), as each process of a real world gets one.
+            virtual_at = [isinstance(leaf, VirtualArray) for leaf in _leaves(target)]
+            leaves, spec = optree.tree_flatten(per_rank[0], none_is_leaf=False, namespace=NAMESPACE)
+            per_rank_leaves = [_leaves(tree) for tree in per_rank]
+            return optree.tree_unflatten(spec, [
+                VirtualArray(mesh, [rank_leaves[i] for rank_leaves in per_rank_leaves]) if virtual else leaf
+                for i, (leaf, virtual) in enumerate(zip(leaves, virtual_at, strict=True))
+            ])
         self.wait()
         choice = self._broadcast(self._choose(step, fallback, verify) if self._rank() == 0 else None)
         if isinstance(choice, str):
@@ -304,6 +321,19 @@ class CheckpointManager:
 
 # DCP raises its CheckpointException, a BaseException (not an Exception), for a failure on any rank.
 _FAILURES = (Exception, CheckpointException)
+
+
+def _leaves(tree: PyTree) -> list[Any]:
+    return optree.tree_leaves(tree, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def _check_storable(flat: dict[str, Any]) -> None:
+    """Refuse, naming the key, tensors DCP cannot write (it fails while staging them, naming nothing)."""
+    for key, leaf in flat.items():
+        if isinstance(leaf, torch.Tensor) and (leaf.layout != torch.strided or leaf.is_meta):
+            what = "a meta tensor (no data)" if leaf.is_meta else f"a {leaf.layout} tensor"
+            hint = "" if leaf.is_meta else "; save x.to_dense() (or its indices and values) instead"
+            raise CheckpointError(f"the leaf {key!r} is {what}, which a checkpoint cannot hold{hint}")
 
 
 def _unshared_scalar(leaf: Any) -> Any:

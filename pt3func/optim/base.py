@@ -21,7 +21,8 @@ from pt3func import tree as pftree
 
 PyTree = Any
 Schedule = Callable[[Any], torch.Tensor]
-"""A function `count -> value`; `count` is a 0-d tensor or a Python int, the value a 0-d float32 tensor."""
+"""A function `count -> value`; `count` is a 0-d tensor or a Python int, the value a 0-d float tensor (float64 for
+the built-in schedules)."""
 
 ScalarOrSchedule = float | Schedule
 
@@ -112,12 +113,28 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
-    """The L2 norm of all the leaves of `tree` taken as one vector, as a 0-d float32 tensor."""
+    """The L2 norm of all the leaves of `tree` taken as one vector, as a 0-d tensor.
+
+    A complex element counts as its two real parts (as `torch.nn.utils.clip_grad_norm_` does). The norm is
+    taken in the widest real dtype of the leaves, at least float32: float32 for float16/bfloat16/float32 and
+    complex64 leaves, float64 as soon as one leaf is float64 or complex128 (a float32 norm would cost a float64
+    step its precision)."""
     leaves = pftree.leaves(tree)
+    dtype = torch.float32
+    for x in leaves:
+        real = x.dtype.to_real()  # complex128 -> float64; real dtypes unchanged
+        if real.is_floating_point:
+            dtype = torch.promote_types(dtype, real)
     if not leaves:
-        return torch.zeros((), dtype=torch.float32)
-    squares = [torch.sum(torch.square(x.to(torch.float32))) for x in leaves]
-    return torch.sqrt(torch.stack(squares).sum())
+        return torch.zeros((), dtype=dtype)
+
+    def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+        if x.is_complex():
+            # `x.to(float32)` would drop the imaginary part; view it as (..., 2) reals instead.
+            x = torch.view_as_real(x)
+        return torch.sum(torch.square(x.to(dtype)))
+
+    return torch.sqrt(torch.stack([sum_of_squares(x) for x in leaves]).sum())
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Learning-rate schedules: functions `count -> value`.
 
 A schedule takes the step count, a 0-d tensor (what optimizer states hold) or a Python int, and returns
-a 0-d float32 tensor computed with torch ops only, so it traces into a static program.
+a 0-d float64 tensor computed with torch ops only, so it traces into a static program. float64, like the
+Python floats of `torch.optim.lr_scheduler`: a float64 step keeps its precision, and a float32 (or lower) update
+`g * lr` rounds the value to its own dtype once (a 0-d tensor does not promote the update's dtype).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from pt3func.optim.base import Schedule
 
 def _as_float(count) -> torch.Tensor:
     if isinstance(count, torch.Tensor):
-        return count.to(torch.float32)
-    return torch.as_tensor(count, dtype=torch.float32)
+        return count.to(torch.float64)
+    return torch.as_tensor(count, dtype=torch.float64)
 
 
 def constant_schedule(value: float) -> Schedule:

@@ -8,7 +8,6 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-import optree
 import torch
 
 from pt3func import tree as pftree
@@ -28,6 +27,17 @@ MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
 
 def _moments_like(params: PyTree, dtype: torch.dtype | None) -> PyTree:
     return pftree.map(lambda p: torch.zeros_like(p, dtype=dtype), params)
+
+
+def _as_real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (a last dim of 2): torch.optim treats a complex parameter
+    as two real ones, so Adam's second moment is of each part (not the complex square) and Lion's sign each part's."""
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def _like(real: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`real` (computed on `_as_real` views) back as a complex tensor where `ref` is complex."""
+    return torch.view_as_complex(real) if ref.is_complex() else real
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -161,7 +171,8 @@ def scale_by_adam(
 
     `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, the update is
     `(m / (1 - b1^t)) / (sqrt(v / (1 - b2^t) + eps_root) + eps)`; with `eps_root = 0` these are
-    `torch.optim.Adam`'s formulas (Kingma & Ba 2015, https://arxiv.org/abs/1412.6980).
+    `torch.optim.Adam`'s formulas (Kingma & Ba 2015, https://arxiv.org/abs/1412.6980). A complex parameter is two
+    real ones, as in torch.optim: `v` holds the second moments of its real and imaginary parts.
 
     Args:
         b1: decay rate of the first moment.
@@ -181,8 +192,10 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None):
         del params
-        mu = pftree.map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
-        nu = pftree.map(lambda g, v: v * b2 + (1.0 - b2) * (g * g), updates, state.nu)
+        mu = pftree.map(lambda g, m: _like(torch.lerp(_as_real(m), _as_real(g.to(m.dtype)), 1.0 - b1), m),
+                        updates, state.mu)
+        nu = pftree.map(lambda g, v: _like(_as_real(v) * b2 + (1.0 - b2) * (_as_real(g) * _as_real(g)), v),
+                        updates, state.nu)
         count = _safe_increment(state.count)
         corrections = {}
 
@@ -196,13 +209,14 @@ def scale_by_adam(
             return corrections[dtype]
 
         def step(g, m, v):
-            bias_correction1, bias_correction2, bias_correction2_sqrt = bias_corrections(v.dtype)
+            m_real, v_real = _as_real(m), _as_real(v)
+            bias_correction1, bias_correction2, bias_correction2_sqrt = bias_corrections(v_real.dtype)
             if eps_root:
-                denom = torch.sqrt(v / bias_correction2 + eps_root) + eps
+                denom = torch.sqrt(v_real / bias_correction2 + eps_root) + eps
             else:
                 # torch.optim.Adam's order of operations, so that the two agree to rounding.
-                denom = torch.sqrt(v) / bias_correction2_sqrt + eps
-            return ((m / bias_correction1) / denom).to(g.dtype)
+                denom = torch.sqrt(v_real) / bias_correction2_sqrt + eps
+            return _like((m_real / bias_correction1) / denom, m).to(g.dtype)
 
         updates = pftree.map(step, updates, mu, nu)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
@@ -223,6 +237,7 @@ def scale_by_lion(
     """Lion's update direction: `sign(b1 m + (1 - b1) g)`, then `m = b2 m + (1 - b2) g`.
 
     Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", https://arxiv.org/abs/2302.06675.
+    A complex parameter is two real ones: the sign is taken of its real and imaginary parts.
 
     Args:
         b1: interpolation factor of the update direction.
@@ -239,7 +254,7 @@ def scale_by_lion(
     def update_fn(updates, state, params=None):
         del params
         directions = pftree.map(
-            lambda g, m: torch.sign((1.0 - b1) * g + b1 * m.to(g.dtype)), updates, state.mu
+            lambda g, m: _like(torch.sign(_as_real((1.0 - b1) * g + b1 * m.to(g.dtype))), g), updates, state.mu
         )
         mu = pftree.map(lambda g, m: b2 * m + (1.0 - b2) * g.to(m.dtype), updates, state.mu)
         return directions, ScaleByLionState(count=_safe_increment(state.count), mu=mu)
@@ -254,8 +269,8 @@ def _resolve_mask(mask: MaskOrFn, params: PyTree) -> PyTree | None:
     if resolved is None:
         return None
     try:
-        per_leaf = optree.broadcast_prefix(resolved, params, none_is_leaf=False, namespace=pftree.NAMESPACE)
-    except ValueError as e:
+        per_leaf = pftree.broadcast_prefix(resolved, params)  # dicts by key: a plain-dict mask over a state_dict
+    except pftree.PrefixError as e:
         raise ValueError(f"the weight-decay mask is not a pytree prefix of the params: {e}") from None
     return pftree.unflatten(pftree.structure(params), per_leaf)
 

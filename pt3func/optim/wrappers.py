@@ -38,7 +38,10 @@ class ApplyIfFiniteState(NamedTuple):
 
 def _like_leaves(flag: torch.Tensor, tree: PyTree) -> torch.Tensor:
     """`flag` (plain, the same on every rank) as a replicated DTensor on the mesh of `tree`'s DTensors, if any:
-    `torch.where` of DTensor leaves takes no plain condition outside `pf.jit`."""
+    `torch.where` of DTensor leaves takes no plain condition outside `pf.jit`. A flag that is already a DTensor
+    (computed from DTensor counters, e.g. an optimizer state sharded apart from the params as in ZeRO) is kept."""
+    if isinstance(flag, DTensor):
+        return flag
     for leaf in pftree.leaves(tree):
         if isinstance(leaf, DTensor):
             mesh = leaf.device_mesh

@@ -13,6 +13,11 @@ with `fallback_random`, that in-place fill misbehaves twice:
 `pt3func::random_fill` makes the buffer with the strides the trace recorded (eager's) and fills it inside one
 opaque op: Inductor sees a kernel that returns a new tensor, which it cannot read before it runs. The draws are
 eager torch's: the same fill of the same-strided buffer from the global generator.
+
+`torch.bernoulli(p)` (`aten.bernoulli.default`) becomes the same op: eager torch runs it as a fresh (contiguous)
+buffer filled by `bernoulli_(p)`, while Inductor decomposes it into `rand(...) < p` even with `fallback_random`,
+which draws float32 numbers where eager draws doubles for a float64 `p` (other masks, and the generator left
+elsewhere).
 """
 
 from __future__ import annotations
@@ -57,9 +62,13 @@ def _(size, stride, dtype, device, fill, numbers, probabilities=None):
 
 def fill_fresh_buffers_in_one_op(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite `fill_(fresh_buffer, ...)` into `pt3func::random_fill(...)` where the buffer is made in the program
-    and read by nothing else, the fill takes numbers (or a probability tensor) and the global generator."""
+    and read by nothing else, the fill takes numbers (or a probability tensor) and the global generator; and
+    `bernoulli(p)` (global generator) into the same op."""
     changed = False
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.bernoulli.default:
+            changed |= _bernoulli_in_one_op(gm, node)
+            continue
         fill = _FILLS.get(node.target) if node.op == "call_function" else None
         if fill is None or not node.args:
             continue
@@ -87,3 +96,21 @@ def fill_fresh_buffers_in_one_op(gm: fx.GraphModule) -> fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _bernoulli_in_one_op(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Rewrite `bernoulli(p)` into `random_fill(..., probabilities=p)` with the output's traced (eager) strides;
+    whether it was rewritten."""
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and len(node.args) == 1 and isinstance(node.args[0], fx.Node)
+            and set(node.kwargs) <= {"generator"} and node.kwargs.get("generator") is None):
+        return False
+    with gm.graph.inserting_before(node):
+        made = gm.graph.call_function(
+            torch.ops.pt3func.random_fill.default,
+            (list(val.shape), list(val.stride()), val.dtype, val.device, "bernoulli_", [], node.args[0]),
+        )
+    made.meta.update(node.meta)
+    node.replace_all_uses_with(made)
+    gm.graph.erase_node(node)
+    return True

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 import operator
 
+import torch
 from torch import fx
 
-from pt3func.analysis import nbytes
+from pt3func.analysis import flop_formula, nbytes
 from pt3func.passes.remat import (
     Recomputability,
     RematPlan,
@@ -72,9 +73,8 @@ def compute_bound(node: fx.Node) -> bool:
 
 
 def _flops(node: fx.Node) -> float:
-    from torch.utils.flop_counter import flop_registry
-
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    # torch's formulas and pt3func's for the ops torch has none for: CPU attention at 0 FLOPs was dropped first
+    formula = flop_formula(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
     if formula is None:
         return 0.0
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))

@@ -11,6 +11,7 @@ A process that uses a virtual mesh cannot also join a real torch.distributed wor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import queue
@@ -77,6 +78,7 @@ class VirtualWorld:
         An exception on any rank is raised here (rank 0's first): ranks run the same program, so an error
         in tracing or sharding is raised by all of them alike.
         """
+        job = _in_callers_modes(job)
         for q in self._jobs:
             q.put(job)
         results: list[Any] = [None] * self.size
@@ -90,6 +92,36 @@ class VirtualWorld:
         if errors:
             raise errors[min(errors)]
         return results
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _in_callers_modes(job: Callable[[int], Any]) -> Callable[[int], Any]:
+    """`job` made to run under the calling thread's grad mode, inference mode and autocast.
+
+    These modes are per thread, and rank threads do not inherit them: without this a step called under
+    `torch.autocast` (or `torch.no_grad`) would run without it on a virtual mesh, unlike one device or a
+    process of a real world, where the caller's thread is the one that runs the rank's program.
+    """
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    autocasts = [
+        (device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    ]
+
+    def in_modes(rank: int) -> Any:
+        with contextlib.ExitStack() as modes:
+            if inference:
+                modes.enter_context(torch.inference_mode())
+            modes.enter_context(torch.set_grad_enabled(grad))
+            for device, dtype, cache in autocasts:
+                modes.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+            return job(rank)
+
+    return in_modes
 
 
 def _install() -> None:
@@ -136,6 +168,15 @@ class VirtualMesh(Mesh):
                 "axis_index) exist only inside them; jitted steps, device_put and device_get dispatch there. A "
                 "jitted step whose arguments are all plain tensors finds the mesh through pf.set_mesh(mesh)"
             )
+        if _LOCAL.world is not self.world:
+            # A rank thread of another virtual mesh: rank r of this mesh's groups is not this thread, so a
+            # collective here would wait forever, or pair with the wrong ranks.
+            running = getattr(_LOCAL, "mesh", None)
+            raise ShardingError(
+                f"{self!r} is used on a rank of another virtual mesh ({running!r}): a step runs on the mesh of its "
+                f"arguments, and its shardings must name that mesh. Move the values first with "
+                f"pf.device_put(value, pf.NamedSharding({self!r}, spec))"
+            )
         return self._rank_meshes[_LOCAL.rank]
 
     @property
@@ -156,6 +197,7 @@ class VirtualMesh(Mesh):
         from pt3func.sharding.mesh import set_mesh
 
         def with_mesh(rank: int) -> Any:
+            _LOCAL.mesh = self  # named by rank_mesh's error when another virtual mesh is used here
             with set_mesh(self):
                 return job(rank)
 
@@ -280,7 +322,9 @@ def scatter_tree(tree_: Any, rank: int) -> Any:
         if isinstance(x, VirtualArray):
             return x.locals[rank]
         if isinstance(x, torch.Tensor):
-            return x.clone()
+            # A leaf of its own, as each process of a real world holds: a plain clone of a tensor that requires grad
+            # would be a non-leaf, which distribute_tensor refuses.
+            return x.detach().clone().requires_grad_(x.requires_grad)
         return x
 
     return tree.map(local, tree_, is_leaf=is_virtual_leaf)
@@ -329,19 +373,46 @@ def mesh_of_shardings(*shardings: Any) -> VirtualMesh | None:
     return None
 
 
+def _foreign_arrays(mesh: VirtualMesh, tree_: Any) -> list[tuple[str, VirtualArray]]:
+    """(path, array) of every VirtualArray of `tree_` that lives on another virtual mesh than `mesh`."""
+    paths, leaves = tree.paths(tree_, is_leaf=is_virtual_leaf), tree.leaves(tree_, is_leaf=is_virtual_leaf)
+    return [(tree.keystr(path), x) for path, x in zip(paths, leaves, strict=True)
+            if isinstance(x, VirtualArray) and x.mesh is not mesh]
+
+
 def device_put(mesh: VirtualMesh, tree_: Any, shardings: Any) -> Any:
     from pt3func.sharding.put import device_put as put
 
+    tree_ = _gather_foreign(mesh, tree_)
     return gather_trees(mesh, mesh.run(lambda rank: put(scatter_tree(tree_, rank), shardings)))
 
 
 def device_get(mesh: VirtualMesh, tree_: Any) -> Any:
     from pt3func.sharding.put import device_get as get
 
+    tree_ = _gather_foreign(mesh, tree_)
     return mesh.run(lambda rank: get(scatter_tree(tree_, rank)))[0]
+
+
+def _gather_foreign(mesh: VirtualMesh, tree_: Any) -> Any:
+    """`tree_` with each array of another virtual mesh than `mesh` replaced by its full value (gathered on its own
+    mesh): its rank values live in that mesh's threads, and reading them from `mesh`'s ranks (a collective of the
+    other world) would hang."""
+    if not _foreign_arrays(mesh, tree_):
+        return tree_
+    return tree.map(lambda x: x.full() if isinstance(x, VirtualArray) and x.mesh is not mesh else x, tree_,
+                    is_leaf=is_virtual_leaf)
 
 
 def call(mesh: VirtualMesh, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Call `fn` (a jitted step) on every rank with its local view of the arguments; gather the outputs."""
+    foreign = [(f"args{path}", a) for path, a in _foreign_arrays(mesh, args)]
+    foreign += [(f"kwargs{path}", a) for path, a in _foreign_arrays(mesh, kwargs)]
+    if foreign:
+        path, array = foreign[0]
+        raise ShardingError(
+            f"argument {path} lives on {array.mesh!r}, but the step runs on {mesh!r}: a step's arrays share "
+            "one mesh. Move it first with pf.device_put(value, pf.NamedSharding(mesh, spec))"
+        )
     per_rank = mesh.run(lambda rank: fn(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))
     return gather_trees(mesh, per_rank)

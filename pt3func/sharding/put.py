@@ -7,12 +7,12 @@ from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from pt3func.errors import ShardingError
 from pt3func.sharding.mesh import Mesh, get_mesh, mesh_of
 from pt3func.sharding.spec import NamedSharding, PartitionSpec, placements_for, spec_from_placements
-from pt3func.tree import NAMESPACE, PyTree, keystr
+from pt3func.tree import NAMESPACE, PrefixError, PyTree, broadcast_prefix, keystr
 
 Sharding = NamedSharding | PartitionSpec | None
 
@@ -40,9 +40,8 @@ def broadcast_shardings(
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_sharding, none_is_leaf=True,
                                                            namespace=NAMESPACE)
     try:
-        per_leaf = optree.broadcast_prefix(shardings, tree, is_leaf=_is_sharding, none_is_leaf=True,
-                                           namespace=NAMESPACE)
-    except ValueError as e:
+        per_leaf = broadcast_prefix(shardings, tree, is_leaf=_is_sharding, none_is_leaf=True)
+    except PrefixError as e:
         raise ShardingError(f"the shardings are not a pytree prefix of the value: {e}") from None
     return paths, leaves, _scalars_whole(paths, leaves, per_leaf, shardings), treedef
 
@@ -93,6 +92,15 @@ def put_leaf(x: Any, sharding: Sharding, path: tuple, src_data_rank: int | None)
         if x.device_mesh is device_mesh:
             return x.redistribute(device_mesh, placements)
         x = x.full_tensor()
+    if x.grad_fn is not None:
+        # torch's distribute_tensor refuses a tensor with a graph behind it (`w * 2`, or a virtual rank's copy of
+        # an nn.Parameter). Split locally (src_data_rank None: every rank holds the value), the placement is
+        # differentiable, as with_sharding_constraint must be under pf.grad; device_put's value enters the mesh
+        # as a new leaf, still requiring grad, as distribute_tensor makes of a parameter.
+        if src_data_rank is None and torch.is_grad_enabled():
+            whole = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+            return whole.redistribute(device_mesh, placements)
+        x = x.detach().requires_grad_(x.requires_grad)
     return distribute_tensor(x, device_mesh, placements, src_data_rank=src_data_rank)
 
 

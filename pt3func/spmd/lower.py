@@ -266,7 +266,8 @@ def apply_in_shardings(
         shardings = (in_shardings,)
     if len(shardings) > len(args):
         raise ShardingError(
-            f"in_shardings has {len(shardings)} entries but the call passes {len(args)} positional arguments"
+            f"in_shardings has {len(shardings)} entries but the call passes {len(args)} arguments (counting keyword "
+            "arguments at their parameter's position)"
         )
     from pt3func.runtime.virtual import in_rank_thread
 
@@ -296,6 +297,57 @@ def apply_in_shardings(
             placed.append(put)
         out[i] = unflatten(treedef, placed)
     return tuple(out)
+
+
+def apply_in_shardings_to_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_shardings: Any,
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+    labels: Sequence[str],
+    agreed: tuple[str, set] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`apply_in_shardings` for a call with keyword arguments: each keyword naming a positional parameter is placed
+    as the entry at that parameter's position (JAX refuses keyword arguments when in_shardings is given; binding
+    them is friendlier, and a keyword argument is never silently left replicated). A keyword-only argument gets a
+    bare spec; under a per-argument tuple it has no entry, so one holding tensors is refused, naming it."""
+    from pt3func.errors import ShardingError
+    from pt3func.sharding.spec import NamedSharding, PartitionSpec
+    from pt3func.tree import leaves
+
+    if not kwargs:
+        return apply_in_shardings(args, in_shardings, static_argnums, labels, agreed), kwargs
+    positions = {name: i for i, name in enumerate(labels)}
+    bound: dict[int, str] = {}
+    rest: list[str] = []
+    for name in kwargs:
+        if name in static_argnames:
+            continue
+        i = positions.get(name)
+        if i is not None:
+            if i >= len(args):  # (else also given by position: the call itself raises Python's TypeError)
+                bound[i] = name
+        elif any(isinstance(x, torch.Tensor) for x in leaves(kwargs[name])):
+            rest.append(name)
+    bare = isinstance(in_shardings, (PartitionSpec, NamedSharding))
+    if rest and not bare:
+        raise ShardingError(
+            f"in_shardings gives one entry per positional parameter, but keyword argument(s) {', '.join(rest)} "
+            "have no position (keyword-only or **kwargs); pass them by position or make them positional parameters"
+        )
+    n = max(len(args), max(bound, default=-1) + 1)
+    full = list(args) + [None] * (n - len(args))  # a parameter not passed (its default) stays as it is
+    for i, name in bound.items():
+        full[i] = kwargs[name]
+    placed = apply_in_shardings(tuple(full), in_shardings, static_argnums, labels, agreed)
+    new_kwargs = dict(kwargs)
+    for i, name in bound.items():
+        new_kwargs[name] = placed[i]
+    if rest:
+        extra = apply_in_shardings(tuple(kwargs[name] for name in rest), in_shardings, frozenset(), rest)
+        new_kwargs.update(zip(rest, extra))
+    return placed[: len(args)], new_kwargs
 
 
 def _zero_dim(x: Any) -> bool:

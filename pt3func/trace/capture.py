@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError, TracingError
 from pt3func.trace.source import (
     describe,
+    is_stdlib_file,
     is_user_file,
     library_frame_in_traceback,
     user_frame_in_stack_trace,
@@ -34,6 +35,42 @@ try:
     _DATA_DEPENDENT_ERRORS += (DataDependentOutputException, DynamicOutputShapeException)
 except ImportError:  # pragma: no cover - names are stable across 2.11-2.13
     pass
+
+try:
+    from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
+
+    _DATA_DEPENDENT_ERRORS += (PendingUnbackedSymbolNotFound,)  # a boolean mask's shape, met by DTensor
+except ImportError:  # pragma: no cover
+    pass
+
+# How a data-dependent read surfaces in a sharded step, where DTensor's dispatch wraps or replaces torch's error:
+# a RuntimeError carrying the guard's message (DTensor hashes its op schema), DTensor's refusal of .tolist(), or
+# the missing sharding rule of an op whose output shape depends on values.
+_DATA_DEPENDENT_MESSAGES = ("Could not guard on data-dependent expression", ".tolist() is not supported for tensor "
+                            "subclasses")
+_VALUE_SHAPED_OPS = ("aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique", "aten.argwhere",
+                     "aten.nonzero_numpy", "aten.repeat_interleave.Tensor")
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a read of a tensor's value into Python or a value-dependent shape."""
+    if isinstance(exc, TracingError):  # ours (the print guard, ...): already says what is wrong
+        return False
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, _DATA_DEPENDENT_ERRORS):
+            return True
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and any(m in text for m in _DATA_DEPENDENT_MESSAGES):
+            return True
+        if isinstance(exc, NotImplementedError) and "sharding strategy" in text and any(
+            f"{op}." in text or f"{op} " in text for op in _VALUE_SHAPED_OPS
+        ):
+            return True
+        exc = exc.__cause__  # an explicit `raise ... from`: not any error met while handling another
+        seen += 1
+    return False
+
 
 # make_fx, our print guard and Inductor patch process-wide state: one trace or compile at a time, which
 # matters for the virtual mesh, whose ranks are threads of one process.
@@ -56,6 +93,8 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
 
         def method(self: torch.Tensor, *args: object, **kwargs: object) -> str:
             caller = sys._getframe(1)
+            while caller.f_back is not None and is_stdlib_file(caller.f_code.co_filename):
+                caller = caller.f_back  # pprint, logging, reprlib formatting it for the user
             if is_user_file(caller.f_code.co_filename):
                 raise ImpureFunctionError(
                     f"{describe(caller.f_code.co_filename, caller.f_lineno)}: printing or formatting a tensor "
@@ -108,6 +147,8 @@ def _no_reseeding(fn_name: str) -> Iterator[None]:
 
         def guarded(*args: object, _original: Callable = original, _attr: str = attr, **kwargs: object) -> object:
             caller = sys._getframe(1)
+            while caller.f_back is not None and is_stdlib_file(caller.f_code.co_filename):
+                caller = caller.f_back  # pprint, logging, reprlib formatting it for the user
             if is_user_file(caller.f_code.co_filename):
                 raise ImpureFunctionError(
                     f"{describe(caller.f_code.co_filename, caller.f_lineno)}: {_attr}() inside jitted '{fn_name}' "
@@ -119,6 +160,39 @@ def _no_reseeding(fn_name: str) -> Iterator[None]:
 
         patched.append((module, attr, guarded))
     with _attributes_replaced(patched):
+        yield
+
+
+_BACKWARD_CALLERS = ("torch/utils/checkpoint.py", "torch/autograd/function.py")
+
+
+@contextlib.contextmanager
+def _no_backward(fn_name: str) -> Iterator[None]:
+    """Make `loss.backward()` / `torch.autograd.backward` called by user code inside the step raise: it writes
+    `.grad` of tensors outside the step (a closure module's parameters), which a program cannot do; they were left
+    holding the trace's fake tensors and the model never trained. `Tensor.backward` calls
+    `torch.autograd.backward`, so patching that module attribute covers both."""
+    original = torch.autograd.backward
+
+    def guarded(*args: object, **kwargs: object) -> object:
+        # The nearest user frame is the caller, unless torch calls it on its own behalf on the way (a reentrant
+        # checkpoint's or a custom Function's backward): those are left alone.
+        frame = sys._getframe(1)
+        while frame is not None and not is_user_file(frame.f_code.co_filename):
+            if frame.f_code.co_filename.replace("\\", "/").endswith(_BACKWARD_CALLERS):
+                frame = None
+                break
+            frame = frame.f_back
+        if frame is not None:
+            raise ImpureFunctionError(
+                f"{describe(frame.f_code.co_filename, frame.f_lineno)}: .backward() inside jitted '{fn_name}' "
+                "accumulates into .grad of tensors outside the step, which a static program cannot do. Take the "
+                "gradient as a value: grads = pf.grad(loss_fn)(params, ...) or loss, grads = "
+                "pf.value_and_grad(loss_fn)(params, ...), and return it (apply the update in the step too)."
+            )
+        return original(*args, **kwargs)
+
+    with _attributes_replaced([(torch.autograd, "backward", guarded)]):
         yield
 
 
@@ -231,8 +305,8 @@ def trace(
 ) -> torch.fx.GraphModule:
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
-        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _record_user_frames(), \
-                _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name):
+        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _no_backward(fn_name), \
+                _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name):
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
@@ -246,7 +320,9 @@ def trace(
             "(an op overload named after a Python keyword, such as Tensor.random_(from, to)). Use another "
             "spelling of the op (torch.randint(low, high, shape) for random_(low, high))."
         ) from None
-    except _DATA_DEPENDENT_ERRORS as exc:
+    except Exception as exc:
+        if not _is_data_dependent(exc):
+            raise
         frame = user_frame_in_traceback(exc.__traceback__)
         where = describe(*frame) if frame else f"in '{fn_name}'"
         inner = library_frame_in_traceback(exc.__traceback__)

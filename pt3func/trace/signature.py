@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,18 +14,35 @@ from pt3func import tree
 from pt3func.errors import TracingError
 
 SCALAR_TYPES = (bool, int, float)
+REQUIRES_GRAD = "requires_grad"  # the mark a leaf key carries for a tensor that requires grad
 
 
-def _normalize(nums: int | Sequence[int], nparams: int | None, what: str) -> frozenset[int]:
-    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+def _normalize(nums: int | Sequence[int], nparams: int | None, what: str, fn_name: str) -> frozenset[int]:
+    """`static_argnums` / `donate_argnums` as a set of non-negative ints; anything else raises, naming the option."""
+    if _is_index(nums):
+        nums = (nums,)
+    elif isinstance(nums, (str, bytes)) or not isinstance(nums, (Sequence, set, frozenset)):
+        raise ValueError(f"pf.jit({fn_name}): {what} must be an int or a sequence of ints, got {nums!r}")
     out = set()
     for n in nums:
+        if not _is_index(n):
+            hint = f" (a parameter name goes in {what.replace('nums', 'names')})" if isinstance(n, str) else ""
+            raise ValueError(f"pf.jit({fn_name}): {what} must hold ints, got {n!r} in {nums!r}{hint}")
+        n = int(n)
         if n < 0:
             if nparams is None:
-                raise ValueError(f"negative {what} {n} needs a function with a known signature")
+                raise ValueError(f"pf.jit({fn_name}): negative {what} {n} needs a function with a known signature")
+            if n < -nparams:  # as JAX: out of range, not wrapped around
+                raise ValueError(
+                    f"pf.jit({fn_name}): {what} {n} is out of range for a function of {nparams} positional arguments"
+                )
             n += nparams
         out.add(n)
     return frozenset(out)
+
+
+def _is_index(n: Any) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy ints too
 
 
 @dataclass(frozen=True)
@@ -57,8 +75,9 @@ class ArgSpec:
         names = tuple(p.name for p in params) if params is not None else ()
         positional = [p.name for p in params if p.kind != p.KEYWORD_ONLY] if params is not None else []
         nparams = len(positional) if params is not None else None
-        s_nums = set(_normalize(static_argnums, nparams, "static_argnums"))
-        d_nums = set(_normalize(donate_argnums, nparams, "donate_argnums"))
+        fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        s_nums = set(_normalize(static_argnums, nparams, "static_argnums", fn_name))
+        d_nums = set(_normalize(donate_argnums, nparams, "donate_argnums", fn_name))
         if nparams is not None and not var_positional:
             for what, nums in (("static_argnums", s_nums), ("donate_argnums", d_nums)):
                 beyond = sorted(n for n in nums if n >= nparams)
@@ -146,15 +165,20 @@ def split_static(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 def leaf_key(leaf: Any) -> Any:
     """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
+    # A tensor that requires grad gets a key of its own: with grad mode on, `pf.jit` runs the step eagerly for it
+    # (a compiled program runs under no_grad), so such a call must not hit a program compiled for others.
     if type(leaf) is torch.Tensor:  # the common case first: this runs for every leaf of every call
         shape = leaf.shape  # read once: a plain tensor's key is read for every leaf of every call
-        return (shape, leaf.dtype, leaf.device, _layout(leaf, shape))
+        key = (shape, leaf.dtype, leaf.device, _layout(leaf, shape))
+        return (*key, REQUIRES_GRAD) if leaf.requires_grad else key
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
             # The mesh by identity: equal-looking meshes of different worlds (virtual ranks) are different programs.
-            return (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, _layout(leaf._local_tensor))
-        return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
+            key = (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, _layout(leaf._local_tensor))
+        else:
+            key = (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
+        return (*key, REQUIRES_GRAD) if leaf.requires_grad else key
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)
     return ("static", leaf)
@@ -163,9 +187,12 @@ def leaf_key(leaf: Any) -> Any:
 def _layout(t: torch.Tensor, shape: torch.Size | None = None) -> tuple[int, ...]:
     """`t`'s strides, but 0 for every dim of size 1: such a stride never moves an address (PyTorch's contiguity and
     view rules, and Inductor's input asserts, ignore it). A row `[1, n]` split off a `[1, N]` buffer (stride N) and
-    a fresh `[1, n]` (stride n) are then one signature, not a second trace and compile of the same program."""
+    a fresh `[1, n]` (stride n) are then one signature, not a second trace and compile of the same program. An
+    empty tensor has no addresses at all: () for any strides."""
     stride = t.stride()
     shape = t.shape if shape is None else shape
+    if 0 in shape:
+        return ()
     if 1 in shape:
         return tuple([0 if size == 1 else s for size, s in zip(shape, stride)])
     return stride
@@ -178,6 +205,8 @@ def describe_leaf(leaf: Any) -> str:
         local = leaf._local_tensor if placement is not None else leaf
         if not local.is_contiguous():  # strides are part of the signature: name them where they are unusual
             text += f" strides={tuple(local.stride())}"
+        if leaf.requires_grad:
+            text += " requires_grad"
         return text + (f" placements={placement}" if placement is not None else "")
     if isinstance(leaf, SCALAR_TYPES):
         return f"Python {type(leaf).__name__} (traced)"

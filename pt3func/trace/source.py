@@ -5,6 +5,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sysconfig
 import traceback
 from types import TracebackType
 
@@ -16,10 +17,32 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for 
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
+def _stdlib_dirs() -> tuple[str, ...]:
+    """Python's standard library folders (as given and with links resolved)."""
+    paths = sysconfig.get_paths()
+    dirs = [paths[key] for key in ("stdlib", "platstdlib") if paths.get(key)]
+    return tuple(sorted({os.path.join(f(d), "") for d in dirs for f in (os.path.abspath, os.path.realpath)}))
+
+
+# The interpreter's own machinery: a virtual mesh's rank threads start in threading.py, so a stack recorded there
+# ends in the standard library where a process's would end in the user's script.
+_STDLIB_DIRS = _stdlib_dirs()
+_THIRD_PARTY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def is_stdlib_file(filename: str) -> bool:
+    """True for a file of Python's standard library (`pprint.py`, `logging/__init__.py`, `threading.py`)."""
+    path = os.path.abspath(filename)
+    return path.startswith(_STDLIB_DIRS) and not any(part in path for part in _THIRD_PARTY)
+
+
 def is_user_file(filename: str) -> bool:
-    """True unless `filename` belongs to torch, pt3func or the interpreter's own machinery."""
+    """True unless `filename` belongs to torch, pt3func or the interpreter's own machinery (its standard library)."""
     path = os.path.abspath(filename)
     if path.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
+        return False
+    # A library installed under the standard library's folder (lib/python3.x/site-packages) is not the stdlib.
+    if is_stdlib_file(path):
         return False
     return not any(part in path for part in (os.sep + "optree" + os.sep, os.sep + "contextlib.py"))
 
@@ -75,6 +98,19 @@ def user_frame_in_stack_trace(stack_trace: str | None) -> tuple[str, int] | None
 
 
 def node_location(node: torch.fx.Node) -> str:
-    """`file:line` of the user code that produced `node`, or '' when unknown."""
+    """`file:line` of the user code that produced `node`, or '' when unknown.
+
+    A collective bucketing made of several (`passes/bucketing.py`, no stack of its own) gets its first member's: the
+    first gradient it packs, found through its first inputs (the flattening `cat` and `view`)."""
     frame = user_frame_in_stack_trace(node.meta.get("stack_trace"))
+    if frame is None and (node.meta.get("custom") or {}).get("pt3func_bucket"):
+        source = node
+        for _ in range(4):  # bucket <- cat <- view (<- clone) <- first gradient
+            inputs = source.all_input_nodes
+            if not inputs:
+                break
+            source = inputs[0]
+            frame = user_frame_in_stack_trace(source.meta.get("stack_trace"))
+            if frame is not None:
+                break
     return f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
