@@ -180,3 +180,15 @@ def wrap_dtensor_strategy_selection(select: Any) -> bool:
         _sharding_prop._select_min_cost_strategy = selected
         _strategy_selection_wrapped = True
         return True
+
+
+def install_threaded_world() -> None:
+    """torch's threaded process-group world (the virtual mesh's ranks are threads). torch 2.11's `ThreadLocalWorld`
+    has no `comms`, which its `destroy_process_group` reads: once a virtual mesh had run, destroying a real
+    process group in the same process raised AttributeError. An empty per-world list is what a world without
+    NCCL communicators holds."""
+    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld, _install_threaded_pg
+
+    _install_threaded_pg()
+    if not hasattr(ThreadLocalWorld, "comms"):
+        ThreadLocalWorld.comms = property(lambda self: self.__dict__.setdefault("_pt3func_comms", []))

@@ -12,6 +12,7 @@ import torch
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import TORCH_VERSION
 
 
 def _loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +219,8 @@ def test_in_shardings_apply_to_keyword_arguments():
 @pytest.mark.parametrize("body", [
     lambda x: x * x.mean().item(),
     lambda x: x * max(x.mean(0).tolist()),
-    lambda x: x[x > 0].sum(),
+    pytest.param(lambda x: x[x > 0].sum(), marks=pytest.mark.skipif(
+        TORCH_VERSION < (2, 13), reason="torch 2.11's DTensor indexes the block with the global mask (IndexError)")),
     lambda x: x.nonzero().float().sum(),
 ])
 def test_data_dependent_reads_in_a_sharded_step_name_the_line(body):

@@ -10,6 +10,10 @@ import torch.nn.functional as F
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import TORCH_VERSION
+
+# torch 2.11's DTensor has no rule for logcumsumexp nor clamp_min_ (cosine_embedding_loss): a loud error there.
+NEEDS_2_13 = pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="an op without a DTensor rule in torch 2.11")
 
 N, C, H = 8, 6, 4
 
@@ -43,7 +47,7 @@ def test_mean_cross_entropy_over_dp_with_a_tp_head_equals_one_device(kwargs, hea
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("op", ["cumsum", "cumprod", "logcumsumexp"])
+@pytest.mark.parametrize("op", ["cumsum", "cumprod", pytest.param("logcumsumexp", marks=NEEDS_2_13)])
 @pytest.mark.parametrize(("spec", "dim"), [(P(None, "dp"), -1), (P("dp"), -2)], ids=["last", "first"])
 def test_scans_with_a_negative_dim_over_a_split_dim_carry_across_blocks(op, spec, dim):
     z = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)) * 0.5
@@ -71,6 +75,7 @@ def test_a_fill_of_a_value_made_like_a_pending_sum_is_the_fill(make):
     torch.testing.assert_close(got, f(a, b))  # the fill was counted once per rank
 
 
+@NEEDS_2_13
 def test_cosine_embedding_loss_of_column_parallel_features_equals_one_device():
     g = torch.Generator().manual_seed(3)
     w, x1, x2 = torch.randn(5, 6, generator=g), torch.randn(8, 5, generator=g), torch.randn(8, 5, generator=g)

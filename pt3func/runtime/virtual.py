@@ -132,9 +132,9 @@ def _install() -> None:
             "a virtual mesh simulates its own world of ranks, but this process already belongs to a "
             "torch.distributed world; use pf.make_mesh(...) without virtual=True here"
         )
-    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+    from pt3func._compat import install_threaded_world
 
-    _install_threaded_pg()
+    install_threaded_world()
     # Group names are registered per thread, so every rank thread can own groups named alike.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     VirtualWorld._installed = True

@@ -82,8 +82,8 @@ def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:
 
 
 def index_as_lookup(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """`table[idx]` with a split integer index, computed as an embedding lookup (`F.embedding`, or `lookup` for a
-    row-split table), whose backward DTensor handles. Used where DTensor's `index_put` rule, the backward of
+    """`table[idx]` with a split integer index, computed as an embedding lookup (`F.embedding`, of a row-split table
+    gathered first), whose backward DTensor handles. Used where DTensor's `index_put` rule, the backward of
     `table[idx]`, is broken for a split index (torch 2.11: `_compat.DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN`).
     Negative indices count from the end, as indexing does. None (DTensor's own path) for any other index."""
     if kwargs or len(args) != 2:
@@ -96,10 +96,14 @@ def index_as_lookup(args: tuple, kwargs: dict) -> torch.Tensor | None:
     split_table = isinstance(table, DTensor) and not all(p.is_replicate() for p in table.placements)
     if split_table and table.ndim != 2:
         return None  # the lookup needs a 2-D table; reshaping a split one would move its blocks
+    if split_table and any(is_plain_shard(p) and p.dim == 0 for p in table.placements):
+        # Rows split (FSDP's layout): gathered first, as FSDP gathers a parameter for its use. `lookup`'s partial
+        # sum would be reduced as DTensor picks, on torch 2.11 a reduce-scatter along the sequence that its view
+        # rules then cannot flatten for the next `F.linear`; the gathered lookup stays split like the batch.
+        whole_rows = [Replicate() if is_plain_shard(p) and p.dim == 0 else p for p in table.placements]
+        table = table.redistribute(table.device_mesh, whole_rows)
     n = table.shape[0]
     index = torch.where(index < 0, index + n, index)
     flat = table if table.ndim == 2 else table.reshape(n, -1)
-    out = lookup(index, flat)
-    if out is None:
-        out = F.embedding(index, flat)
+    out = F.embedding(index, flat)
     return out if table.ndim == 2 else out.reshape(*index.shape, *table.shape[1:])
