@@ -53,9 +53,21 @@ _RULES: dict[Callable, Callable[[tuple, dict], Any]] = {
     F.batch_norm: batch_norm_exactly,
     F.instance_norm: instance_norm_exactly,
     F.group_norm: group_norm_locally,
+    F.embedding: lambda args, kwargs: lookup(*args, **kwargs),
 }
 if DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN:
     _RULES[torch.Tensor.__getitem__] = index_as_lookup
+
+# Families of functions rewritten as `rule(func, args, kwargs)`, None likewise where DTensor's path is right.
+_FAMILY_RULES: tuple[tuple[frozenset, Callable[[Callable, tuple, dict], Any]], ...] = (
+    (RANDOM, redraw),
+    (RECURRENT, lambda func, args, kwargs: None if kwargs else run_locally(func, args)),
+    (MEAN_LOSSES, exact_mean),
+    (SCANS, with_dim_normalized),
+    (UNINITIALIZED, replicated_not_pending),
+    (FILLS_LIKE_A_PENDING_SUM, on_batch_split_inputs),
+    (CONVOLUTIONS, convolve_in_supported_layout),
+)
 
 
 class ShardedTraceOverrides(TorchFunctionMode):
@@ -68,44 +80,19 @@ class ShardedTraceOverrides(TorchFunctionMode):
             done = rule(args, kwargs)
             if done is not None:
                 return done
-        elif func is F.embedding:
-            lowered = lookup(*args, **kwargs)
-            if lowered is not None:
-                return lowered
-        elif func in RANDOM:
-            drawn = redraw(func, args, kwargs)
-            if drawn is not None:
-                return drawn
-        elif func in RECURRENT:
-            local = run_locally(func, args) if not kwargs else None
-            if local is not None:
-                return local
-        elif func in MEAN_LOSSES:
-            exact = exact_mean(func, args, kwargs)
-            if exact is not None:
-                return exact
-        elif func in SCANS:
-            done = with_dim_normalized(func, args, kwargs)
-            if done is not None:
-                return done
-        elif func in UNINITIALIZED:
-            done = replicated_not_pending(func, args, kwargs)
-            if done is not None:
-                return done
-        elif func in FILLS_LIKE_A_PENDING_SUM:
-            done = on_batch_split_inputs(func, args, kwargs)
-            if done is not None:
-                return done
-        elif func in CONVOLUTIONS:
-            done = convolve_in_supported_layout(func, args, kwargs)
-            if done is not None:
-                return done
         elif func is F.scaled_dot_product_attention:
             warn_uncovered(func, args, kwargs)
             mask = kwargs.get("attn_mask")
             query = args[0] if args else kwargs.get("query")
             if isinstance(query, DTensor) and mask is not None and not isinstance(mask, DTensor):
                 kwargs = dict(kwargs, attn_mask=_mask_like(mask, query))
+        else:
+            for family, family_rule in _FAMILY_RULES:
+                if func in family:
+                    done = family_rule(func, args, kwargs)
+                    if done is not None:
+                        return done
+                    break
         return func(*args, **kwargs)
 
 
