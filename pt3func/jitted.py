@@ -238,11 +238,13 @@ class Jitted:
             )
         key, leaves, treedef, static, compiled, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
-        if lowered is None and compiled is not None:
-            # Called before with this signature: its program, not a second trace (that counted as a cache miss).
-            return compiled.lowered
         if lowered is None:
-            lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key)
+            # A signature called before is traced again (compiling rewrote its program's graph for the backend, so
+            # that text is no longer the lowered one), but that is no cache miss to explain, and `.compile()`
+            # returns the program already compiled.
+            called = self._cache.get(key)
+            lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key, explain=called is None)
+            lowered._compiled = called
         return lowered
 
     def exchange_decision(self) -> Any:
@@ -286,7 +288,8 @@ class Jitted:
         log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
 
     def _lower_from(
-        self, leaves: list[Any], treedef: Any, static: tuple, key: Any, _reference: tuple | None = None
+        self, leaves: list[Any], treedef: Any, static: tuple, key: Any, _reference: tuple | None = None,
+        explain: bool = True,
     ) -> Lowered:
         """Trace and lower one signature. `_reference = (traced graph, its out_info, format)`: lower that copy of
         the signature's trace with the exchange guard's reference format instead of `grad_exchange`."""
@@ -299,7 +302,7 @@ class Jitted:
                     "pass the value that call returned"
                 )
         descriptions = [describe_leaf(leaf) for leaf in leaves]
-        if config.explain_cache_misses and _reference is None:
+        if config.explain_cache_misses and _reference is None and explain:
             self._explain_miss(labels, descriptions, treedef, static, key)
         owner = leaf_argument(spec, treedef, static)
         donated_leaves = [

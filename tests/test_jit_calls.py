@@ -229,13 +229,17 @@ def test_data_dependent_reads_in_a_sharded_step_name_the_line(body):
         pf.jit(body, in_shardings=P("dp"), backend="eager")(torch.randn(8, 4))
 
 
-def test_lower_after_call_reuses_the_program():
-    j = pf.jit(lambda x: x * 2, backend="eager")
-    x = torch.randn(3)
+def test_lower_after_call_is_no_cache_miss_and_shows_the_lowered_program(monkeypatch, caplog):
+    j = pf.jit(lambda x: x.reshape(2, 3).t() * 2, backend="eager")
+    x = torch.randn(6)
+    before = j.lower(x).as_text()
     j(x)
-    lowered = j.lower(x)
-    assert j.trace_count() == 1
-    torch.testing.assert_close(lowered.compile()(x), x * 2)
+    monkeypatch.setattr(pf.config, "explain_cache_misses", True)
+    with caplog.at_level("WARNING"):
+        lowered = j.lower(x)
+    assert "tracing again" not in caplog.text  # it said "static arguments changed: ((), ())"
+    assert lowered.as_text() == before  # not the compiled program's graph, which its backend rewrote
+    torch.testing.assert_close(lowered.compile()(x), x.reshape(2, 3).t() * 2)
 
 
 def test_empty_tensors_with_other_strides_share_a_program():
