@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import numbers
 import warnings
@@ -60,6 +61,7 @@ from pt3func.trace.signature import (
     split_static,
     static_types,
 )
+from pt3func.transforms import EAGER_DIFFERENTIATION
 
 log = logging.getLogger("pt3func.jit")
 
@@ -105,9 +107,8 @@ class Jitted:
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
         self._agreed: set = set()  # plain-input signatures the ranks of a process world were checked to agree on
+        self._takes_var_kwargs = _takes_var_kwargs(fn)
         self._leaf_memo = LeafKeyMemo(leaf_key)  # keys of the leaves the last call returned (and kept valid)
-        self._grad_input_programs: set[int] = set()  # ids of programs compiled (under no_grad) for grad inputs
-        self._warned_eager = False
         # updated=(): copying fn.__dict__ (a pf.grad / functools.wraps wrapper of another Jitted carries that one's
         # attributes) over ours made this Jitted run the inner function, with the inner one's options. A user's own
         # attributes of fn are still copied, where they name nothing of ours.
@@ -123,7 +124,13 @@ class Jitted:
         types = static_types(static)
         # The key order and type of every dict among the arguments: a step may iterate a dict, and a treedef
         # compares dicts by their sorted keys (a program traced for {"b", "a"} ran for {"a", "b"}).
-        orders = _dict_orders(dynamic)
+        # Keyword arguments bound to named parameters are order-free (`f(a=x, b=y)` then `f(b=y, a=x)` retraced);
+        # their order counts only for a function with `**kwargs`, which may iterate them.
+        dyn_args, dyn_kwargs = dynamic
+        if dyn_kwargs and not self._takes_var_kwargs:
+            orders = _dict_orders((dyn_args, [dyn_kwargs[k] for k in sorted(dyn_kwargs)]))
+        else:
+            orders = _dict_orders(dynamic)
         last = self._leaf_memo.last()
         if last is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
@@ -174,19 +181,26 @@ class Jitted:
                 self._spec.param_names, (self.name, self._agreed),
             )
         key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
+        if getattr(EAGER_DIFFERENTIATION, "depth", 0) and _any_requires_grad(leaves):
+            raise TracingError(
+                f"{self.name}: a pf.jit-ed function differentiated from outside (pf.grad(pf.jit(f))): its program "
+                "runs without autograd, so the gradient through it would be zero. Put the gradient inside: "
+                "pf.jit(pf.grad(f)) (or pf.jit(pf.value_and_grad(f)))."
+            )
         if compiled is None:
-            grad_inputs = _any_requires_grad(leaves)
-            if grad_inputs and torch.is_grad_enabled():
-                return self._run_eagerly(args, kwargs, leaves, treedef, static)
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
             refuse_donating_captured(lowered._program, leaves)  # before Inductor compiles it (AOTAutograd fails)
             compiled = lowered.compile()
             compiled.report_unused_donations()
             self._cache[key] = compiled
-            if grad_inputs:  # compiled under no_grad: the same inputs with grad mode on must run eagerly
-                self._grad_input_programs.add(id(compiled))
-        elif self._grad_input_programs and id(compiled) in self._grad_input_programs and torch.is_grad_enabled():
-            return self._run_eagerly(args, kwargs, leaves, treedef, static)
+            if torch.is_grad_enabled() and _any_requires_grad(leaves):
+                warnings.warn(
+                    f"{self.name}: called with tensors that require grad; the compiled program's outputs carry no "
+                    "autograd graph (.backward() through them reaches nothing). Take gradients inside the step "
+                    "(pf.grad / pf.value_and_grad), or pass tensors that do not require grad (.detach(), "
+                    "pf.functionalize's params).",
+                    stacklevel=2,
+                )
         if compiled._switch is not None:  # an exchange guard picks the program
             if compiled._switch.program is None:  # still in its trials: two programs, the outputs not remembered
                 self._leaf_memo.forget()
@@ -203,27 +217,6 @@ class Jitted:
             LastCall(treedef, static, leaf_keys, key, compiled),
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
-
-    def _run_eagerly(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], treedef: Any, static: tuple
-    ) -> Any:
-        """Run the function itself, for autograd: a compiled program runs under no_grad, so its outputs would not
-        require grad and `pf.grad(pf.jit(loss))` gave zeros. As `jax.grad(jax.jit(f))` differentiates through f."""
-        if not self._warned_eager:
-            self._warned_eager = True
-            labels = leaf_labels(self._spec, treedef, static)
-            needing = [label for label, leaf in zip(labels, leaves) if getattr(leaf, "requires_grad", False)]
-            warnings.warn(
-                f"{self.name}: called with tensors that require grad ({', '.join(needing[:5])}) while grad mode is "
-                "on, so it runs eagerly (not compiled) for autograd to differentiate it. To compile it, take the "
-                "gradient inside the step (pf.jit(pf.grad(loss)) / pf.value_and_grad), or pass tensors that do "
-                "not require grad (.detach(), pf.functionalize's params), or call it under torch.no_grad().",
-                stacklevel=3,
-            )
-        if any(isinstance(leaf, DTensor) for leaf in leaves):  # as a sharded step is traced, so the same numbers
-            with _sharded_tracing():
-                return self.fn(*args, **kwargs)
-        return self.fn(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
@@ -574,7 +567,7 @@ def _collect_dict_orders(x: Any, out: list[Any]) -> None:
         out.append(tuple(x))
         values: Any = x.values()
     elif t is OrderedDict or t is defaultdict:
-        out.append((t, x.default_factory if t is defaultdict else None, tuple(x)))
+        out.append((t, _factory_key(x.default_factory) if t is defaultdict else None, tuple(x)))
         values = x.values()
     elif t is tuple or t is list or isinstance(x, tuple):
         values = x
@@ -584,6 +577,21 @@ def _collect_dict_orders(x: Any, out: list[Any]) -> None:
         t = type(v)
         if t in _WALKED or (t not in _LEAVES and isinstance(v, tuple)):  # the common leaves: no call
             _collect_dict_orders(v, out)
+
+
+def _takes_var_kwargs(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature (a builtin): assume it may
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _factory_key(factory: Any) -> Any:
+    """A defaultdict's factory as the signature sees it: a function by its code (a `lambda: 0` made anew for each
+    call is the same factory; by identity every call retraced), anything else (a type) as itself."""
+    code = getattr(factory, "__code__", None)
+    return factory if code is None else code
 
 
 _WALKED = frozenset({dict, OrderedDict, defaultdict, list, tuple})

@@ -8,12 +8,13 @@ and on sharded values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -76,9 +77,8 @@ def value_and_grad(
     """Return a function computing `fn`'s value and its gradient with respect to `args[argnums]`.
 
     `fn` must return a scalar tensor (or `(scalar, aux)` with `has_aux=True`). The gradient has the
-    structure of the differentiated argument (a tuple of them when `argnums` is a sequence); a Python float
-    is differentiated as a 0-d tensor (as `pf.jit` traces it); other leaves that are not floating-point or
-    complex tensors get `None`. Returns `(value, grads)` or `((value, aux), grads)`.
+    structure of the differentiated argument (a tuple of them when `argnums` is a sequence); leaves that are not
+    floating-point or complex tensors get `None`. Returns `(value, grads)` or `((value, aux), grads)`.
     Nests (grad of grad) and works inside `pf.jit`.
     """
     nums = _as_argnums(argnums)
@@ -125,16 +125,29 @@ def _differentiated_leaves(args: tuple, nums: tuple[int, ...]) -> tuple[list[Any
     """The leaves of the differentiated arguments and their structure.
 
     Classes registered with `torch.utils._pytree` are adopted first, as `pf.jit` does (else such an argument was one
-    opaque leaf and got a None gradient outside `pf.jit` only). A Python float becomes a 0-d tensor of the default
-    dtype, the input `pf.jit` traces it as: its gradient is a 0-d tensor with or without `pf.jit`, as JAX gives one
-    for a Python float (ints and bools are not differentiated).
+    opaque leaf and got a None gradient outside `pf.jit` only). A Python float stays a number and gets None, so a
+    float in the tree can be passed on as one (`F.layer_norm(eps=p["eps"])`); under `pf.jit` floats are traced as
+    0-d tensors and do get a gradient (README, Known limits).
     """
     diff_leaves, spec = tree.flatten_adopting(tuple(args[i] for i in nums))
-    if any(type(leaf) is float for leaf in diff_leaves):
-        device = next((x.device for x in tree.leaves(args) if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        dtype = torch.get_default_dtype()
-        diff_leaves = [torch.tensor(x, dtype=dtype, device=device) if type(x) is float else x for x in diff_leaves]
     return diff_leaves, spec
+
+
+EAGER_DIFFERENTIATION = threading.local()  # .depth: > 0 while pf.grad runs a function eagerly (outside pf.jit)
+
+
+@contextlib.contextmanager
+def _differentiating_eagerly(on: bool) -> Iterator[None]:
+    """Mark the block as pf.grad's eager run of the user's function: a `pf.jit`-ed function called in it must refuse
+    (its program runs under no_grad, so the gradient through it would be zero)."""
+    if not on:
+        yield
+        return
+    EAGER_DIFFERENTIATION.depth = getattr(EAGER_DIFFERENTIATION, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        EAGER_DIFFERENTIATION.depth -= 1
 
 
 def _value_and_grad_call(
@@ -163,7 +176,8 @@ def _value_and_grad_call(
         new_args = list(args)
         for i, sub in zip(nums, tree.unflatten(spec, used)):
             new_args[i] = sub
-        out = fn(*new_args, **kwargs)
+        with _differentiating_eagerly(get_proxy_mode() is None):
+            out = fn(*new_args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_scalar(fn, value)
         wrt = [p for p in prepared if _differentiable(p)]

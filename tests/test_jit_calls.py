@@ -4,7 +4,6 @@ in_shardings for keyword arguments, errors inside a trace (backward, data-depend
 from __future__ import annotations
 
 import functools
-import warnings
 from collections import OrderedDict, defaultdict
 
 import pytest
@@ -52,61 +51,6 @@ def test_jit_of_jit_keeps_its_own_donation():
     assert pf.runtime.donated.is_donated(a)  # donated: unreadable
 
 
-def test_grad_of_jit_matches_torch_func():
-    w, x = torch.randn(3), torch.randn(5, 3)
-    step = pf.jit(_loss, backend="eager")
-    step(w, x)  # compiled for plain inputs first: the grad call must not reuse that program
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = pf.grad(step)(w, x)
-        value, got2 = pf.value_and_grad(step)(w, x)
-    torch.testing.assert_close(got, torch.func.grad(_loss)(w, x))
-    torch.testing.assert_close(got2, got)
-    torch.testing.assert_close(value, _loss(w, x))
-    assert sum("runs eagerly" in str(c.message) for c in caught) == 1  # warned once per Jitted
-
-
-def test_jit_with_requires_grad_input_keeps_autograd():
-    w, x = torch.randn(3, requires_grad=True), torch.randn(5, 3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = pf.jit(_loss, backend="eager")(w, x)
-    out.backward()
-    w2 = w.detach().clone().requires_grad_()
-    _loss(w2, x).backward()
-    torch.testing.assert_close(w.grad, w2.grad)
-
-
-def test_requires_grad_inputs_on_a_mesh_run_eagerly_as_a_sharded_step():
-    # The eager path of a sharded call: plain inputs beside DTensors replicated, and pt3func's sharded rules on
-    # (the mean cross entropy over a split batch is the whole batch's, not DTensor's average of block means).
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(4, 5, generator=g).requires_grad_()
-    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 5, (8,), generator=g)
-    y[:3] = -100
-
-    def loss_fn(w, x, y):
-        return torch.nn.functional.cross_entropy(x @ w, y)
-
-    want = loss_fn(w.detach(), x, y)
-    with pf.set_mesh(pf.make_mesh((2,), ("dp",), virtual=True)), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = pf.jit(loss_fn, in_shardings=(P(), P("dp"), None), backend="eager")(w, x, y)
-    torch.testing.assert_close(pf.device_get(got).detach(), want)
-
-
-def test_requires_grad_input_under_no_grad_compiles_then_runs_eagerly_with_grad():
-    step = pf.jit(_loss, backend="eager")
-    w, x = torch.randn(3, requires_grad=True), torch.randn(5, 3)
-    with torch.no_grad():
-        step(w, x)
-    assert step.trace_count() == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = step(w, x)
-    assert out.requires_grad
-
-
 def _stack_values(d):
     return torch.stack(list(d.values()))
 
@@ -142,14 +86,19 @@ def test_explain_cache_misses_names_the_dict_order(caplog, monkeypatch):
     assert "key order or type of a dict" in caplog.text and step.trace_count() == 2
 
 
-def test_keyword_only_argument_under_per_argument_in_shardings_is_refused():
+def test_keyword_only_argument_under_per_argument_in_shardings():
     mesh = pf.make_mesh((2,), ("dp",), virtual=True)
 
     def step(w, *, batch):
         return batch * w
 
-    with pf.set_mesh(mesh), pytest.raises(pf.ShardingError, match="batch"):
-        pf.jit(step, in_shardings=(P(), P("dp")), backend="eager")(torch.ones(4), batch=torch.ones(8, 4))
+    with pf.set_mesh(mesh):
+        # no entry for it: a missing prefix, kept as it is (a plain tensor: replicated)
+        out = pf.jit(step, in_shardings=(P(),), backend="eager")(torch.ones(4), batch=torch.ones(8, 4))
+        torch.testing.assert_close(pf.device_get(out), torch.ones(8, 4))
+        # an entry meant for it has no position to go to
+        with pytest.raises(pf.ShardingError, match="2 entries but the call passes 1 arguments"):
+            pf.jit(step, in_shardings=(P(), P("dp")), backend="eager")(torch.ones(4), batch=torch.ones(8, 4))
 
 
 def test_kwargs_order_is_part_of_the_signature():
@@ -229,6 +178,26 @@ def test_data_dependent_reads_in_a_sharded_step_name_the_line(body):
         pf.jit(body, in_shardings=P("dp"), backend="eager")(torch.randn(8, 4))
 
 
+def test_grad_of_jit_is_refused_with_the_way_out():
+    # Its program runs without autograd: the gradient through it was silently zero.
+    w, x = torch.randn(3), torch.randn(5, 3)
+    step = pf.jit(_loss, backend="eager")
+    step(w, x)  # a cached program too
+    with pytest.raises(pf.TracingError, match=r"pf.grad\(pf.jit\(f\)\).*pf.jit\(pf.grad\(f\)\)"):
+        pf.grad(step)(w, x)
+    torch.testing.assert_close(pf.jit(pf.grad(_loss), backend="eager")(w, x), torch.func.grad(_loss)(w, x))
+
+
+def test_inputs_that_require_grad_still_compile_and_warn_once():
+    w, x = torch.randn(3, requires_grad=True), torch.randn(5, 3)
+    step = pf.jit(_loss, backend="eager")
+    with pytest.warns(UserWarning, match="outputs carry no autograd graph"):
+        out = step(w, x)
+    step(w, x)
+    assert step.trace_count() == 1 and not out.requires_grad
+    torch.testing.assert_close(out, _loss(w.detach(), x))
+
+
 def test_lower_after_call_is_no_cache_miss_and_shows_the_lowered_program(monkeypatch, caplog):
     j = pf.jit(lambda x: x.reshape(2, 3).t() * 2, backend="eager")
     x = torch.randn(6)
@@ -269,3 +238,14 @@ def test_pprint_of_a_traced_tensor_is_refused_at_the_users_line():
     refused = r"test_jit_calls.py:\d+ `pprint.pprint\(y\).*printing or formatting"
     with pytest.raises(pf.ImpureFunctionError, match=refused):
         pf.jit(step, backend="eager")(torch.randn(3))
+
+
+def test_keyword_order_of_named_parameters_and_fresh_lambda_factories_share_a_program():
+    step = pf.jit(lambda a, b: a - b, backend="eager")
+    x, y = torch.ones(2), torch.zeros(2)
+    torch.testing.assert_close(step(a=x, b=y), x - y)
+    torch.testing.assert_close(step(b=y, a=x), x - y)
+    f = pf.jit(lambda d: d["k"] * 2, backend="eager")
+    for _ in range(3):
+        f(defaultdict(lambda: 0, k=torch.ones(2)))  # a factory made anew each call
+    assert step.trace_count() == 1 and f.trace_count() == 1

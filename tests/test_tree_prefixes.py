@@ -159,16 +159,15 @@ def test_grad_of_a_torch_registered_class_outside_jit():
     torch.testing.assert_close(got.b, want.b)
 
 
-def test_grad_of_a_python_float_agrees_with_jit():
+def test_a_python_float_in_the_tree_stays_a_number_outside_jit():
+    # Config in the params tree (an eps passed on to torch as a float) must keep working: it gets None.
     def loss(p):
-        return (p["w"] * p["temperature"]).sum()
+        return torch.nn.functional.layer_norm(p["w"], (3,), eps=p["eps"]).square().sum() * p["scale"]
 
-    p = {"w": torch.arange(3.0), "temperature": 2.0}
-    eager = pf.grad(loss)(p)
-    jitted = pf.jit(pf.grad(loss), backend="eager")(p)
-    torch.testing.assert_close(eager["temperature"], torch.tensor(3.0))
-    torch.testing.assert_close(jitted["temperature"], eager["temperature"])
-    torch.testing.assert_close(eager["w"], torch.full((3,), 2.0))
+    p = {"w": torch.arange(3.0), "eps": 1e-5, "scale": 2.0}
+    grads = pf.grad(loss)(p)
+    assert grads["eps"] is None and grads["scale"] is None
+    assert grads["w"].shape == (3,)
     assert pf.grad(lambda w, n: (w * n).sum(), argnums=1)(torch.ones(3), 2) is None  # an int is not differentiated
 
 
@@ -196,9 +195,10 @@ def world_of_one(monkeypatch):
 def test_put_of_a_tensor_with_a_graph(world_of_one):
     w = torch.randn(4, 3, requires_grad=True)
     with pf.set_mesh(world_of_one):
-        placed = pf.device_put(w * 2, P("dp"))  # enters the mesh as a leaf that requires grad, as a parameter does
-        assert placed.requires_grad and placed.grad_fn is None
-        torch.testing.assert_close(pf.device_get(placed), (w * 2).detach())
+        placed = pf.device_put(w * 2, P("dp"))  # differentiable, as jax.device_put is (split locally, no scatter)
+        torch.testing.assert_close(pf.device_get(placed).detach(), (w * 2).detach())
+        placed.full_tensor().sum().backward()
+        torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))
 
         def loss(w):  # with_sharding_constraint of an intermediate stays differentiable
             return (pf.with_sharding_constraint(w * 2, P("dp")) ** 2).sum().full_tensor()

@@ -93,14 +93,12 @@ def put_leaf(x: Any, sharding: Sharding, path: tuple, src_data_rank: int | None)
             return x.redistribute(device_mesh, placements)
         x = x.full_tensor()
     if x.grad_fn is not None:
-        # torch's distribute_tensor refuses a tensor with a graph behind it (`w * 2`, or a virtual rank's copy of
-        # an nn.Parameter). Split locally (src_data_rank None: every rank holds the value), the placement is
-        # differentiable, as with_sharding_constraint must be under pf.grad; device_put's value enters the mesh
-        # as a new leaf, still requiring grad, as distribute_tensor makes of a parameter.
-        if src_data_rank is None and torch.is_grad_enabled():
-            whole = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
-            return whole.redistribute(device_mesh, placements)
-        x = x.detach().requires_grad_(x.requires_grad)
+        # torch's distribute_tensor refuses a tensor with a graph behind it (`w * 2`). It is split locally, as if
+        # every rank held the value (no communication: a scatter from one rank inside a traced step waited
+        # forever), and the placement stays differentiable, as with_sharding_constraint must be under pf.grad and
+        # as jax.device_put is.
+        whole = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+        return whole.redistribute(device_mesh, placements)
     return distribute_tensor(x, device_mesh, placements, src_data_rank=src_data_rank)
 
 

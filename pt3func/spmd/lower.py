@@ -311,8 +311,8 @@ def apply_in_shardings_to_call(
     """`apply_in_shardings` for a call with keyword arguments: each keyword naming a positional parameter is placed
     as the entry at that parameter's position (JAX refuses keyword arguments when in_shardings is given; binding
     them is friendlier, and a keyword argument is never silently left replicated). A keyword-only argument gets a
-    bare spec; under a per-argument tuple it has no entry, so one holding tensors is refused, naming it."""
-    from pt3func.errors import ShardingError
+    bare spec; under a per-argument tuple it has no entry, a missing prefix: kept as it is, as a short tuple
+    keeps the last positional arguments."""
     from pt3func.sharding.spec import NamedSharding, PartitionSpec
     from pt3func.tree import leaves
 
@@ -330,12 +330,8 @@ def apply_in_shardings_to_call(
                 bound[i] = name
         elif any(isinstance(x, torch.Tensor) for x in leaves(kwargs[name])):
             rest.append(name)
-    bare = isinstance(in_shardings, (PartitionSpec, NamedSharding))
-    if rest and not bare:
-        raise ShardingError(
-            f"in_shardings gives one entry per positional parameter, but keyword argument(s) {', '.join(rest)} "
-            "have no position (keyword-only or **kwargs); pass them by position or make them positional parameters"
-        )
+    if not isinstance(in_shardings, (PartitionSpec, NamedSharding)):
+        rest = []  # a per-argument tuple has no entry for them: a missing prefix, kept as they are (API.md)
     n = max(len(args), max(bound, default=-1) + 1)
     full = list(args) + [None] * (n - len(args))  # a parameter not passed (its default) stays as it is
     for i, name in bound.items():

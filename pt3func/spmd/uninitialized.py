@@ -24,7 +24,7 @@ UNINITIALIZED = frozenset({torch.empty_like, torch.Tensor.new_empty})
 
 def replicated_not_pending(func: Callable, args: tuple, kwargs: dict) -> Any:
     """`func`'s result with Partial placements relabelled Replicate, or None where none is Partial."""
-    like = args[0] if args else None
+    like = args[0] if args else kwargs.get("input", kwargs.get("self"))
     if not isinstance(like, DTensor) or not any(p.is_partial() for p in like.placements):
         return None
     out = func(*args, **kwargs)

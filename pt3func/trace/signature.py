@@ -14,7 +14,6 @@ from pt3func import tree
 from pt3func.errors import TracingError
 
 SCALAR_TYPES = (bool, int, float)
-REQUIRES_GRAD = "requires_grad"  # the mark a leaf key carries for a tensor that requires grad
 
 
 def _normalize(nums: int | Sequence[int], nparams: int | None, what: str, fn_name: str) -> frozenset[int]:
@@ -165,20 +164,15 @@ def split_static(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 def leaf_key(leaf: Any) -> Any:
     """What about one leaf decides its program: tensor metadata, a scalar's type, or a static value."""
-    # A tensor that requires grad gets a key of its own: with grad mode on, `pf.jit` runs the step eagerly for it
-    # (a compiled program runs under no_grad), so such a call must not hit a program compiled for others.
     if type(leaf) is torch.Tensor:  # the common case first: this runs for every leaf of every call
         shape = leaf.shape  # read once: a plain tensor's key is read for every leaf of every call
-        key = (shape, leaf.dtype, leaf.device, _layout(leaf, shape))
-        return (*key, REQUIRES_GRAD) if leaf.requires_grad else key
+        return (shape, leaf.dtype, leaf.device, _layout(leaf, shape))
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
             # The mesh by identity: equal-looking meshes of different worlds (virtual ranks) are different programs.
-            key = (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, _layout(leaf._local_tensor))
-        else:
-            key = (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
-        return (*key, REQUIRES_GRAD) if leaf.requires_grad else key
+            return (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, _layout(leaf._local_tensor))
+        return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)
     return ("static", leaf)
@@ -205,8 +199,6 @@ def describe_leaf(leaf: Any) -> str:
         local = leaf._local_tensor if placement is not None else leaf
         if not local.is_contiguous():  # strides are part of the signature: name them where they are unusual
             text += f" strides={tuple(local.stride())}"
-        if leaf.requires_grad:
-            text += " requires_grad"
         return text + (f" placements={placement}" if placement is not None else "")
     if isinstance(leaf, SCALAR_TYPES):
         return f"Python {type(leaf).__name__} (traced)"
