@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
 import numbers
+import types
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +49,7 @@ from pt3func.spmd.partial_sums import reducing_partial_sums
 from pt3func.stages import Compiled, Lowered, Program, refuse_donating_captured
 from pt3func.trace import capture
 from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
+from pt3func.trace.module_modes import ModuleModes, recording_called_modules
 from pt3func.trace.signature import (
     SCALAR_TYPES,
     ArgSpec,
@@ -56,6 +57,7 @@ from pt3func.trace.signature import (
     describe_leaf,
     leaf_argument,
     leaf_key,
+    leaf_key_changes,
     leaf_labels,
     rebuild_call,
     split_static,
@@ -94,7 +96,7 @@ class Jitted:
             )
         check_exchange_guard(exchange_guard)
         self.fn = fn
-        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        self.name = _name_of(fn)
         self._spec = ArgSpec.build(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
@@ -107,7 +109,7 @@ class Jitted:
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
         self._agreed: set = set()  # plain-input signatures the ranks of a process world were checked to agree on
-        self._takes_var_kwargs = _takes_var_kwargs(fn)
+        self._modules = ModuleModes()  # the modules its traces called: their train / eval modes key the cache
         self._leaf_memo = LeafKeyMemo(leaf_key)  # keys of the leaves the last call returned (and kept valid)
         # updated=(): copying fn.__dict__ (a pf.grad / functools.wraps wrapper of another Jitted carries that one's
         # attributes) over ours made this Jitted run the inner function, with the inner one's options. A user's own
@@ -127,10 +129,11 @@ class Jitted:
         # Keyword arguments bound to named parameters are order-free (`f(a=x, b=y)` then `f(b=y, a=x)` retraced);
         # their order counts only for a function with `**kwargs`, which may iterate them.
         dyn_args, dyn_kwargs = dynamic
-        if dyn_kwargs and not self._takes_var_kwargs:
+        if dyn_kwargs and not self._spec.var_keyword:
             orders = _dict_orders((dyn_args, [dyn_kwargs[k] for k in sorted(dyn_kwargs)]))
         else:
             orders = _dict_orders(dynamic)
+        modes = self._modules.modes()
         last = self._leaf_memo.last()
         if last is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
@@ -141,17 +144,19 @@ class Jitted:
                 leaves = last.treedef.flatten_up_to(dynamic)
             except (ValueError, TypeError):  # another structure
                 leaves = None
-            if leaves is not None and last.static == static and last.key[2] == types and last.key[4] == orders:
-                leaf_keys = tuple(self._leaf_memo.keys(leaves))
+            if leaves is not None and last.static == static and last.key[2] == types and last.key[4] == orders \
+                    and last.key[5] == modes:
+                leaf_keys = self._leaf_keys(leaves, last.treedef, static)
                 if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
                     return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
         leaves, treedef = tree.flatten(dynamic)
         while tree.adopt_torch_nodes(leaves):  # a Hugging Face ModelOutput passed in: its tensors are inputs
             leaves, treedef = tree.flatten(dynamic)
-        leaf_keys = tuple(self._leaf_memo.keys(leaves))
+        leaf_keys = self._leaf_keys(leaves, treedef, static)
         try:
-            # The program's signature (`Program.key`, as `Compiled.__call__` computes it) and the dicts' orders.
-            key = (treedef, static, types, leaf_keys, orders)
+            # The program's signature (`Program.key`, as `Compiled.__call__` computes it), the dicts' orders and the
+            # modes of the modules the step calls.
+            key = (treedef, static, types, leaf_keys, orders, modes)
             compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here
         except TypeError:
             check_hashable(static, lambda: [repr(s) for s in static])
@@ -168,9 +173,28 @@ class Jitted:
             _refuse_tensor_statics(self.name, static)
         return key, leaves, treedef, static, compiled, leaf_keys
 
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """A jitted method binds its instance as a function does (`self` is the first argument: static, as an
+        object that is not a tensor, or name it in static_argnums)."""
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __reduce__(self) -> str:
+        # Pickled by reference, as the function it decorates is (a module-level `@pf.jit def f`); its compiled
+        # programs are not picklable state. copy.copy / copy.deepcopy return it as they return a function.
+        return self.__qualname__
+
+    def __deepcopy__(self, memo: dict) -> Jitted:
+        return self  # as for a function: an object holding a step (a trainer) deep-copies its state, not its code
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if get_proxy_mode() is not None:  # called from a step another pf.jit is tracing: inlined, as in jax.jit
             return self.fn(*args, **kwargs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise TracingError(
+                f"{self.name}: a pf.jit-ed function called under a pf.vmap / torch.func transform applied from "
+                "outside (pf.vmap(pf.jit(f))): its compiled program cannot be batched or differentiated by it. Put the "
+                "transform inside: pf.jit(pf.vmap(f))."
+            )
         if VirtualWorld._installed and not in_rank_thread():
             vmesh = find_mesh(args, kwargs) or mesh_of_shardings(self.in_shardings, self.out_shardings)
             if vmesh is not None:
@@ -189,6 +213,7 @@ class Jitted:
             )
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
+            key = self._with_current_modes(key)  # the trace may have met modules: their modes are keyed from now on
             refuse_donating_captured(lowered._program, leaves)  # before Inductor compiles it (AOTAutograd fails)
             compiled = lowered.compile()
             compiled.report_unused_donations()
@@ -229,16 +254,22 @@ class Jitted:
                 args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
                 self._spec.param_names, (self.name, self._agreed),
             )
-        key, leaves, treedef, static, compiled, _ = self._key(args, kwargs)
+        key, leaves, treedef, static, _, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
         if lowered is None:
             # A signature called before is traced again (compiling rewrote its program's graph for the backend, so
             # that text is no longer the lowered one), but that is no cache miss to explain, and `.compile()`
             # returns the program already compiled.
             called = self._cache.get(key)
-            lowered = self._lowered[key] = self._lower_from(leaves, treedef, static, key, explain=called is None)
-            lowered._compiled = called
+            lowered = self._lower_from(leaves, treedef, static, key, explain=called is None)
+            key = self._with_current_modes(key)
+            self._lowered[key] = lowered
+            lowered._compiled = self._cache.get(key)
         return lowered
+
+    def _with_current_modes(self, key: tuple) -> tuple:
+        """`key` with the modes of every module watched now (a trace adds the modules it called)."""
+        return key[:5] + (self._modules.modes(),)
 
     def exchange_decision(self) -> Any:
         """The exchange guard's decision (`pf.compress.ExchangeDecision`) for the signature compiled last that has
@@ -275,10 +306,25 @@ class Jitted:
         if not reasons and old_key[4] != key[4]:
             was, now = next(((a, b) for a, b in zip(old_key[4], key[4]) if a != b), (old_key[4], key[4]))
             reasons.append(f"the key order or type of a dict among the arguments changed: {was} -> {now}")
+        if not reasons and old_key[5] != key[5]:
+            reasons.append(self._modules.describe_change(old_key[5], key[5]) or "the modes of modules changed")
         if not reasons:
-            reasons.append("a leaf's signature changed (strides, device or mesh): "
-                           f"{_differing_keys(labels, old_key[3], key[3])}")
+            changes = "; ".join(leaf_key_changes(labels, old_key[3], key[3])[:5]) or "none found"
+            reasons.append(f"a leaf's signature changed (strides, device or mesh): {changes}")
         log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
+
+    def _leaf_keys(self, leaves: list[Any], treedef: Any, static: tuple) -> tuple:
+        """The leaves' signature keys; a leaf donated to an earlier call is a DonationError naming its argument's
+        path (reading its shape raises one that names none)."""
+        try:
+            return tuple(self._leaf_memo.keys(leaves))
+        except DonationError:
+            labels = leaf_labels(self._spec, treedef, static)
+            donated = [label for label, leaf in zip(labels, leaves) if is_donated(leaf)]
+            raise DonationError(
+                f"{self.name}: argument {', '.join(donated[:5])} was donated to an earlier call and can no longer be "
+                "used; pass the value that call returned"
+            ) from None
 
     def _lower_from(
         self, leaves: list[Any], treedef: Any, static: tuple, key: Any, _reference: tuple | None = None,
@@ -295,7 +341,7 @@ class Jitted:
                     "pass the value that call returned"
                 )
         descriptions = [describe_leaf(leaf) for leaf in leaves]
-        if config.explain_cache_misses and _reference is None and explain:
+        if config.explain_cache_misses and _reference is None and explain and _first_rank():
             self._explain_miss(labels, descriptions, treedef, static, key)
         owner = leaf_argument(spec, treedef, static)
         donated_leaves = [
@@ -383,7 +429,7 @@ class Jitted:
         # The lock covers lowering() too: its preserve_node_meta flag is process-global, and a virtual mesh's rank
         # threads leaving it mid-trace of another rank would drop that rank's node meta (reasons, remat regions).
         if _reference is None:
-            with capture.TRACE_LOCK, lower.lowering():
+            with capture.TRACE_LOCK, lower.lowering(), recording_called_modules() as called_modules:
                 try:
                     gm = capture.trace(flat_fn, example_inputs, self.name)
                 except DataDependentControlFlowError as exc:
@@ -395,6 +441,7 @@ class Jitted:
                         "(a new value does not retrace), so using one as a size, slice bound, range() or "
                         "condition is such a read: make it static (static_argnums / static_argnames)."
                     ) from None
+            self._modules.watch(called_modules)
         else:
             gm = _reference[0]
             out_info.update(_reference[1])
@@ -494,7 +541,8 @@ class Jitted:
         if _reference is not None:
             lowered._example_inputs = None  # compiled on the guard's second call: do not keep the first batch alive
             return lowered
-        self._seen.append((treedef, labels, descriptions, key))
+        if _first_rank():  # a virtual mesh's rank threads trace alike: counted (and explained) once
+            self._seen.append((treedef, labels, descriptions, self._with_current_modes(key)))
         if guard is not None:
             reference = self._lower_from(leaves, treedef, static, key, (untouched, out_info, guard.reference))
             mesh = next((meta.device_mesh for meta in dtensor_in.values()), None)
@@ -547,9 +595,17 @@ def _budget_fraction(memory_budget: Any) -> float | None:
     return fraction
 
 
-def _differing_keys(labels: list[str], old: tuple, new: tuple) -> str:
-    diffs = [f"{label}: {a} -> {b}" for label, a, b in zip(labels, old, new) if a != b]
-    return "; ".join(diffs[:5]) or "none found"
+def _name_of(fn: Any) -> str:
+    """The function's name for logs and errors: a `functools.partial` by its function (its repr prints the bound
+    arguments' values: a tensor's)."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_name_of(fn.func)})"
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _first_rank() -> bool:
+    """Outside a virtual mesh's rank threads, or in rank 0's."""
+    return not in_rank_thread() or torch.distributed.get_rank() == 0
 
 
 def _dict_orders(x: Any) -> tuple:
@@ -577,14 +633,6 @@ def _collect_dict_orders(x: Any, out: list[Any]) -> None:
         t = type(v)
         if t in _WALKED or (t not in _LEAVES and isinstance(v, tuple)):  # the common leaves: no call
             _collect_dict_orders(v, out)
-
-
-def _takes_var_kwargs(fn: Callable[..., Any]) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature (a builtin): assume it may
-        return True
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _factory_key(factory: Any) -> Any:
@@ -733,11 +781,15 @@ def _preferred_outputs(spec: ArgSpec, treedef: Any, static: tuple, out_treedef: 
     skeleton_out = tree.unflatten(out_treedef, list(range(out_treedef.num_leaves)))
     if not isinstance(skeleton_out, (tuple, list)):
         skeleton_out = (skeleton_out,)
-    dyn_args, _ = tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    dyn_args, dyn_kwargs = tree.unflatten(treedef, list(range(treedef.num_leaves)))
     static_idx = {i for i, _ in static[0]}
     positions = [i for i in range(len(dyn_args) + len(static_idx)) if i not in static_idx]
     preferred: dict[int, int] = {}
-    for pos, sub in zip(positions, dyn_args):
+    # Keyword arguments by their parameter's position (`step(params=..., opt_state=...)`).
+    by_position = [*zip(positions, dyn_args), *(
+        (spec.param_names.index(name), sub) for name, sub in dyn_kwargs.items() if name in spec.param_names
+    )]
+    for pos, sub in by_position:
         if pos not in spec.donate_argnums or pos >= len(skeleton_out):
             continue
         target = skeleton_out[pos]

@@ -26,7 +26,7 @@ from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate
 from pt3func.sharding.mesh import get_mesh
 from pt3func.spmd.lower import place_plain_output
-from pt3func.trace.signature import ArgSpec, leaf_key, leaf_labels, split_call, static_types
+from pt3func.trace.signature import ArgSpec, leaf_key, leaf_key_changes, leaf_labels, split_call, static_types
 
 
 @dataclass
@@ -401,23 +401,6 @@ def _next_rank_lowering() -> int:
     return next(counter)
 
 
-def _describe_key(k: Any, strides: bool = False) -> str:
-    """One leaf's signature key (`trace.signature.leaf_key`) in words: `float32[16, 8] on cpu`."""
-    if isinstance(k, tuple) and len(k) == 6 and isinstance(k[0], type):  # a DTensor's
-        _, shape, dtype, _, placements, layout = k
-        text = f"{str(dtype).replace('torch.', '')}{list(shape)} placements={tuple(placements)}"
-        return text + (f" strides={layout}" if strides else "")
-    if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], torch.Size):
-        shape, dtype, device, layout = k
-        text = f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
-        return text + (f" strides={layout}" if strides else "")
-    if isinstance(k, tuple) and len(k) == 2 and k[0] == "static":
-        return f"static {k[1]!r}"
-    if isinstance(k, type):
-        return f"Python {k.__name__} (traced)"
-    return repr(k)
-
-
 def _signature_mismatch(p: Program, key: tuple) -> str:
     """What differs between the signature `p` was compiled for and a call's `key`: pytree paths, old -> new."""
     treedef, static, types, leaf_keys = key
@@ -426,15 +409,7 @@ def _signature_mismatch(p: Program, key: tuple) -> str:
     elif static != p.key[1] or types != p.key[2]:
         reasons = [f"static arguments or trace modes changed: {p.key[1]} -> {static}"]
     else:
-        labels = leaf_labels(p.spec, treedef, static)
-        reasons = []
-        for label, old, new in zip(labels, p.key[3], leaf_keys):
-            if old != new:
-                before, after = _describe_key(old), _describe_key(new)
-                if before == after:  # the same shape, dtype and device: the strides differ (or the mesh)
-                    before, after = _describe_key(old, strides=True), _describe_key(new, strides=True)
-                # Alike in words: DTensors on two meshes (a signature names its mesh by identity).
-                reasons.append(f"{label}: {before} -> {after}" + (" on another mesh" if before == after else ""))
+        reasons = leaf_key_changes(leaf_labels(p.spec, treedef, static), p.key[3], leaf_keys)
     return (
         f"{p.name}: this Compiled was built for another signature: " + "; ".join(reasons[:10])
         + ". Call the jitted function instead, which traces again when needed"

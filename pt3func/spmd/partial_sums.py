@@ -58,7 +58,9 @@ def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
     """DTensor's choice of strategy for an addition, among those that reduce its partial operand and leave the
     whole operands as they are (else among those that at least make no operand partial)."""
     if getattr(_state, "depth", 0) and op_schema is not None and op_schema.op in _ADDITIONS \
-            and _mixes_partial_and_whole(op_schema) and not _accumulates_a_gradient(op_schema):
+            and _mixes_partial_and_whole(op_schema):
+        if _accumulates_a_gradient(op_schema):
+            return _keeping_the_sum_pending(strategy, op_schema) or original(strategy, op_schema)
         for keep in (_reduces_into_whole_operand, _makes_no_operand_partial):
             kept = [spec for spec in strategy.strategies if keep(spec, op_schema)]
             if kept:
@@ -72,7 +74,7 @@ def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
 def gradients_of(shapes: set[tuple[int, ...]]) -> Iterator[None]:
     """While a backward computes the gradients of parameters of these (global) shapes: an addition of such a
     shape is taken to accumulate a parameter's gradient (a tied weight's two uses; a data term's partial
-    gradient plus a penalty's whole one) and keeps DTensor's own choice, which leaves the sum pending, so the
+    gradient plus a penalty's whole one) and leaves the sum pending (`_keeping_the_sum_pending`), so the
     gradient is reduced once, at the end, where pf.jit(grad_exchange=...) compresses it. Reduced here, mid
     backward, it went over uncompressed."""
     previous = getattr(_state, "gradient_shapes", frozenset())
@@ -81,6 +83,34 @@ def gradients_of(shapes: set[tuple[int, ...]]) -> Iterator[None]:
         yield
     finally:
         _state.gradient_shapes = previous
+
+
+def _keeping_the_sum_pending(strategy: Any, op_schema: Any) -> Any:
+    """For a gradient's accumulation: DTensor's strategy that leaves the sum pending if it offers one (torch 2.13
+    does, making the whole term partial: it lands on one rank, no communication); else (torch 2.11 offers only
+    "reduce the partial term") that strategy built here. None where the operands do not allow it (the whole terms
+    laid out otherwise than the partial one, partial sums of other kinds): DTensor's own choice then."""
+    target = next(spec.placements for spec in op_schema.args_spec if any(p.is_partial() for p in spec.placements))
+    for spec in strategy.strategies:
+        if spec.output_spec.placements == target:
+            return None  # DTensor's choice among its own strategies (it picks this one: no communication)
+    dtypes = {spec.tensor_meta.dtype for spec in op_schema.args_spec}
+    for spec in op_schema.args_spec:
+        for have, want in zip(spec.placements, target):
+            if have != want and not (have.is_replicate() and want.is_partial() and want.reduce_op == "sum"):
+                return None
+    if len(dtypes) != 1:
+        return None
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec
+
+    first = op_schema.args_spec[0]
+    specs = [DTensorSpec(spec.mesh, tuple(target), tensor_meta=spec.tensor_meta) for spec in op_schema.args_spec]
+    return OpSpec(
+        output_specs=DTensorSpec(first.mesh, tuple(target), tensor_meta=first.tensor_meta),
+        input_specs=specs,
+        redistribute_cost=[[0.0] for _ in specs],
+    )
 
 
 def _accumulates_a_gradient(op_schema: Any) -> bool:

@@ -53,6 +53,9 @@ class ArgSpec:
     donate_argnums: frozenset[int]
     donate_argnames: frozenset[str]
     param_names: tuple[str, ...]
+    # Takes **kwargs (or has no signature to tell): the order of its keyword arguments may matter (it may iterate
+    # them), so it is part of the jit signature.
+    var_keyword: bool = True
 
     @classmethod
     def build(
@@ -71,6 +74,7 @@ class ArgSpec:
             p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         ]
         var_positional = every is None or any(p.kind == p.VAR_POSITIONAL for p in every)
+        var_keyword = every is None or any(p.kind == p.VAR_KEYWORD for p in every)
         names = tuple(p.name for p in params) if params is not None else ()
         positional = [p.name for p in params if p.kind != p.KEYWORD_ONLY] if params is not None else []
         nparams = len(positional) if params is not None else None
@@ -100,7 +104,10 @@ class ArgSpec:
         both = (s_nums & d_nums) | (s_names & d_names)
         if both:
             raise ValueError(f"arguments {sorted(map(str, both))} cannot be both static and donated")
-        return cls(frozenset(s_nums), frozenset(s_names), frozenset(d_nums), frozenset(d_names), tuple(positional))
+        return cls(
+            frozenset(s_nums), frozenset(s_names), frozenset(d_nums), frozenset(d_names), tuple(positional),
+            var_keyword,
+        )
 
     def arg_label(self, where: Any) -> str:
         """`params` for positional 0 of `train_step(params, ...)`, else `args[0]` / the keyword."""
@@ -203,6 +210,36 @@ def describe_leaf(leaf: Any) -> str:
     if isinstance(leaf, SCALAR_TYPES):
         return f"Python {type(leaf).__name__} (traced)"
     return f"static {leaf!r}"
+
+
+def describe_key(k: Any, strides: bool = False) -> str:
+    """One leaf's signature key (`leaf_key`) in words: `float32[16, 8] on cpu`."""
+    if isinstance(k, tuple) and len(k) == 6 and isinstance(k[0], type):  # a DTensor's
+        _, shape, dtype, _, placements, layout = k
+        text = f"{str(dtype).replace('torch.', '')}{list(shape)} placements={tuple(placements)}"
+        return text + (f" strides={layout}" if strides else "")
+    if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], torch.Size):
+        shape, dtype, device, layout = k
+        text = f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+        return text + (f" strides={layout}" if strides else "")
+    if isinstance(k, tuple) and len(k) == 2 and k[0] == "static":
+        return f"static {k[1]!r}"
+    if isinstance(k, type):
+        return f"Python {k.__name__} (traced)"
+    return repr(k)
+
+
+def leaf_key_changes(labels: list[str], old: tuple, new: tuple) -> list[str]:
+    """`label: before -> after` for each leaf whose signature key differs, in words; the strides are named where
+    nothing else differs, and "on another mesh" where not even they do (a signature names its mesh by identity)."""
+    changes = []
+    for label, a, b in zip(labels, old, new):
+        if a != b:
+            before, after = describe_key(a), describe_key(b)
+            if before == after:
+                before, after = describe_key(a, strides=True), describe_key(b, strides=True)
+            changes.append(f"{label}: {before} -> {after}" + (" on another mesh" if before == after else ""))
+    return changes
 
 
 def leaf_labels(spec: ArgSpec, treedef: Any, static: tuple) -> list[str]:

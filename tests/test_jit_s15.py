@@ -1,0 +1,181 @@
+"""pf.jit behaviour fixed in session 15: module modes in the signature, methods, copies, names, and errors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import pickle
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import pt3func as pf
+from pt3func import P
+
+
+@contextlib.contextmanager
+def _explaining() -> Iterator[None]:
+    pf.config.explain_cache_misses = True
+    try:
+        yield
+    finally:
+        pf.config.explain_cache_misses = False
+
+
+def _dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_module_mode_change_retraces_and_keeps_both_programs(first: str) -> None:
+    model = _dropout_model()
+    params, apply = pf.functionalize(model)
+    x = torch.randn(16, 4)
+    loss = pf.jit(lambda p, x: apply(p, x).square().mean(), backend="eager")
+    modes = ["train", "eval", "train", "eval"] if first == "train" else ["eval", "train", "eval", "train"]
+    for mode in modes:
+        getattr(model, mode)()
+        torch.manual_seed(1)
+        got = loss(params, x)
+        torch.manual_seed(1)
+        want = apply(params, x).square().mean()
+        torch.testing.assert_close(got, want)
+    assert loss.trace_count() == 2  # one program per mode, both kept
+
+
+def test_closure_module_mode_is_part_of_the_signature() -> None:
+    drop = nn.Dropout(0.5)
+    step = pf.jit(lambda x: drop(x).sum(), backend="eager")
+    x = torch.ones(64)
+    assert float(step(x)) != 64.0  # training: some elements dropped, the rest scaled
+    drop.eval()
+    assert float(step(x)) == 64.0
+
+
+def test_mode_change_is_explained(caplog: pytest.LogCaptureFixture) -> None:
+    model = _dropout_model()
+    params, apply = pf.functionalize(model)
+    loss = pf.jit(lambda p, x: apply(p, x).sum(), backend="eager")
+    x = torch.randn(2, 4)
+    with _explaining(), caplog.at_level(logging.WARNING, "pt3func.jit"):
+        loss(params, x)
+        model.eval()
+        loss(params, x)
+    assert "the mode of modules the step calls changed (Sequential, Linear, Dropout): train -> eval" in caplog.text
+
+
+class _Scaler:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    @functools.partial(pf.jit, static_argnums=0, backend="eager")
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+    @pf.jit
+    def shift(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.k
+
+
+def test_jitted_methods_bind_their_instance() -> None:
+    x = torch.arange(3.0)
+    torch.testing.assert_close(_Scaler(2.0).scale(x), x * 2)
+    torch.testing.assert_close(_Scaler(3.0).scale(x), x * 3)  # another instance: another static value
+    torch.testing.assert_close(_Scaler(1.0).shift(x), x + 1)
+    assert isinstance(_Scaler.__dict__["scale"], pf.Jitted) and _Scaler.scale is _Scaler.__dict__["scale"]
+
+
+@pf.jit
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_copies_and_pickles_of_a_jitted_function() -> None:
+    class Trainer:
+        def __init__(self) -> None:
+            self.step = _double
+            self.weights = torch.ones(2)
+
+    trainer = Trainer()
+    trainer.step(torch.ones(1))  # a compiled program (and a thread-local memo) inside
+    snapshot = copy.deepcopy(trainer)
+    assert snapshot.step is _double and snapshot.weights is not trainer.weights
+    assert pickle.loads(pickle.dumps(_double)) is _double
+    torch.testing.assert_close(snapshot.step(torch.ones(1)), torch.full((1,), 2.0))
+
+
+def test_partial_is_named_by_its_function(caplog: pytest.LogCaptureFixture) -> None:
+    def f(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return table[x]
+
+    step = pf.jit(functools.partial(f, torch.randn(100, 100)), backend="eager")
+    assert step.name.startswith("partial(") and "f" in step.name and len(step.name) < 80
+
+
+def test_trace_count_and_explanations_on_a_virtual_mesh_count_once(caplog: pytest.LogCaptureFixture) -> None:
+    mesh = pf.make_mesh((4,), ("dp",), virtual=True)
+    step = pf.jit(lambda w, x: (x @ w).sum(), in_shardings=(P(), P("dp")), backend="eager")
+    with pf.set_mesh(mesh), _explaining(), \
+            caplog.at_level(logging.WARNING, "pt3func.jit"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = pf.device_put(torch.randn(16, 8), P())
+        for _ in range(3):
+            step(w, torch.randn(32, 16))
+        assert step.trace_count() == 1
+        step(w, torch.randn(64, 16))
+        assert step.trace_count() == 2
+    assert caplog.text.count("tracing for the first time") == 1
+    assert caplog.text.count("tracing again because") == 1
+
+
+def test_vmap_of_a_jitted_function_is_refused_clearly() -> None:
+    def f(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return s * 0.9 + x.sum()
+
+    for donate in ((), (0,)):
+        with pytest.raises(pf.TracingError, match=r"pf\.jit\(pf\.vmap\(f\)\)"):
+            pf.vmap(pf.jit(f, donate_argnums=donate))(torch.randn(4, 3), torch.randn(4, 3))
+    torch.testing.assert_close(
+        pf.jit(pf.vmap(f))(torch.ones(4, 3), torch.ones(4, 3)), torch.full((4, 3), 3.9)
+    )
+
+
+def test_a_donated_argument_passed_again_is_named() -> None:
+    def step(params: dict, x: torch.Tensor) -> tuple:
+        return {k: v - 0.1 * x.sum() for k, v in params.items()}, x.sum()
+
+    params = {"w": torch.randn(3), "b": torch.randn(3)}
+    s = pf.jit(step, donate_argnums=0, backend="eager")
+    new, _ = s(params, torch.randn(2))
+    with pytest.raises(pf.DonationError, match=r"argument params\['w'\] was donated"):
+        s({"w": params["w"], "b": new["b"]}, torch.randn(2))
+
+
+def test_donated_keyword_arguments_keep_their_outputs_layout() -> None:
+    opt = pf.optim.adam(1e-2)
+
+    def step(params: dict, opt_state: object, x: torch.Tensor) -> tuple:
+        loss, g = pf.value_and_grad(lambda p, x: ((x @ p["w"]).tanh() ** 2).mean())(params, x)
+        u, opt_state = opt.update(g, opt_state, params)
+        return pf.optim.apply_updates(params, u), opt_state, loss
+
+    mesh = pf.make_mesh((2,), ("dp",), virtual=True)
+    layouts = {}
+    with pf.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dropped donation warns
+        for by_keyword in (False, True):
+            torch.manual_seed(0)
+            params = pf.device_put({"w": torch.randn(4, 6)}, P())
+            state = pf.jit(opt.init, backend="eager")(params)
+            state = pf.device_put(state, pf.tree.map(lambda t: None if t.ndim == 0 else P("dp"), state))
+            x = pf.device_put(torch.randn(8, 4), P("dp"))
+            j = pf.jit(step, donate_argnums=(0, 1), backend="eager")
+            out = j(params=params, opt_state=state, x=x) if by_keyword else j(params, state, x)
+            layouts[by_keyword] = tuple(out[0]["w"].placements)
+    assert layouts[True] == layouts[False]
