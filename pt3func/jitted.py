@@ -262,6 +262,9 @@ class Jitted:
             # returns the program already compiled.
             called = self._cache.get(key)
             lowered = self._lower_from(leaves, treedef, static, key, explain=called is None)
+            # Kept for a later compile (or `as_text()`): holding the arguments would keep the caller's params,
+            # state and batch alive as long as this Jitted; compile() rebuilds inputs from the traced metadata.
+            lowered._example_inputs = None
             key = self._with_current_modes(key)
             self._lowered[key] = lowered
             lowered._compiled = self._cache.get(key)

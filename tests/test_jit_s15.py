@@ -179,3 +179,24 @@ def test_donated_keyword_arguments_keep_their_outputs_layout() -> None:
             out = j(params=params, opt_state=state, x=x) if by_keyword else j(params, state, x)
             layouts[by_keyword] = tuple(out[0]["w"].placements)
     assert layouts[True] == layouts[False]
+
+
+def test_lower_keeps_no_argument_alive() -> None:
+    import gc
+
+    def storage_alive(ptr: int) -> bool:
+        gc.collect()
+        for o in gc.get_objects():
+            if type(o) in (torch.Tensor, torch.nn.Parameter):  # not fake tensors a trace may keep
+                if o.untyped_storage().data_ptr() == ptr:
+                    return True
+        return False
+
+    step = pf.jit(lambda w, x: (x @ w).sum(), backend="eager")
+    w = torch.randn(8, 4)
+    x = torch.randn(16, 8)
+    lowered = step.lower(w, x)
+    ptr = x.data_ptr()
+    del x
+    assert not storage_alive(ptr)  # the lowered program keeps shapes, not the batch
+    torch.testing.assert_close(lowered.compile()(w, torch.ones(16, 8)), (torch.ones(16, 8) @ w).sum())

@@ -35,6 +35,7 @@ def compile_program(
         options = {
             "fallback_random": True,
             "reorder_for_locality": reorder_for_locality(gm),
+            "allow_buffer_reuse": reuse_buffers(gm),
             **(inductor_collective_bucketing() if bucket_collectives(gm) else {}),
         }
         gm = scale_products_before_adding(fill_fresh_buffers_in_one_op(gm))
@@ -54,6 +55,21 @@ def reorder_for_locality(gm: fx.GraphModule) -> bool:
     if not config.inductor_reorder_for_locality:
         return False
     return sum(1 for node in gm.graph.nodes if is_random(node)) < 2
+
+
+# Ops Inductor runs as fallback kernels that write into a buffer it allocated: with buffer reuse, Inductor (torch
+# 2.13, CPU) gave a message-passing step (`scatter_reduce("amax")` into a `cat`, then its backward) NaN gradients:
+# it handed the `cat` buffer to a backward matmul while the scatter's view into it was still read.
+_REDUCING_SCATTERS = frozenset({"scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"})
+
+
+def reuse_buffers(gm: fx.GraphModule) -> bool:
+    """Inductor's `allow_buffer_reuse`, except for a program with a reducing scatter (see `_REDUCING_SCATTERS`)."""
+    return not any(
+        node.op == "call_function" and getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
+        in _REDUCING_SCATTERS
+        for node in gm.graph.nodes
+    )
 
 
 _BUCKETED_BY_AUTO = ("all_gather_into_tensor", "reduce_scatter_tensor")
