@@ -406,7 +406,7 @@ def vmap(
             return tuple(out_leaves)
 
         vectorised = torch.func.vmap(flat_fn, in_dims=tuple(axes), out_dims=0, randomness=randomness)
-        flat_out = _run_vectorised(vectorised, leaves, axes)
+        flat_out = _run_vectorised(vectorised, leaves, axes, randomness)
         structure = out_spec[-1]
         out_tree = tree.unflatten(structure, list(flat_out))
         if out_axes == 0:
@@ -448,9 +448,11 @@ def _out_leaf_axes(out_axes: Any, out: Any) -> list[Any]:
         raise ValueError(f"vmap out_axes is not a pytree prefix of the output: {exc}") from None
 
 
-def _run_vectorised(vectorised: Callable[..., Any], leaves: list[Any], axes: list[int | None]) -> tuple:
+def _run_vectorised(
+    vectorised: Callable[..., Any], leaves: list[Any], axes: list[int | None], randomness: str
+) -> tuple:
     """`vectorised(*leaves)` on each rank's own examples where that is exact, else over the whole values."""
-    on_shards = _vmap_on_shards(leaves, axes)
+    on_shards = _vmap_on_shards(leaves, axes, randomness)
     if on_shards is not None:
         flat_out = on_shards(vectorised)
         return vectorised(*leaves) if flat_out is None else flat_out
@@ -572,7 +574,7 @@ def _local_examples(leaf: Any, ax: int | None, mesh: Any, batch_dims: frozenset[
 
 
 def _vmap_on_shards(
-    leaves: list[Any], axes: list[int | None]
+    leaves: list[Any], axes: list[int | None], randomness: str = "error"
 ) -> Callable[[Callable[..., Any]], tuple | None] | None:
     """vmap over sharded arguments, run on each rank's own examples; None where that is not exact.
 
@@ -583,7 +585,8 @@ def _vmap_on_shards(
     mesh axes, and an unmapped input's gradient is a partial sum over them (each rank's examples contribute
     theirs). Mapped values are brought to that layout first (`_local_examples`); DTensors the function reads
     from its closure become whole local copies (`_ClosureValuesAsLocalBlocks`). An unmapped DTensor that is
-    not replicated keeps DTensor's own path (None).
+    not replicated keeps DTensor's own path (None). With `randomness="different"` every rank maps over all the
+    examples instead (`_on_whole_batch`).
     """
     dtensors = [(leaf, ax) for leaf, ax in zip(leaves, axes) if isinstance(leaf, DTensor)]
     if not dtensors or len({id(leaf.device_mesh) for leaf, _ in dtensors}) != 1:
@@ -592,6 +595,8 @@ def _vmap_on_shards(
     batch_dims = _batch_mesh_dims(dtensors)
     if batch_dims is None or not _examples_split_evenly(leaves, axes, mesh, batch_dims):
         return None
+    if randomness == "different" and batch_dims:
+        return _on_whole_batch(leaves, mesh, batch_dims)
     local = [_local_examples(leaf, ax, mesh, batch_dims) for leaf, ax in zip(leaves, axes)]
     out_placements = [Shard(0) if d in batch_dims else Replicate() for d in range(mesh.ndim)]
 
@@ -604,6 +609,40 @@ def _vmap_on_shards(
             DTensor.from_local(t, mesh, out_placements, run_check=False) if isinstance(t, torch.Tensor) else t
             for t in outs
         )
+
+    return run
+
+
+def _on_whole_batch(
+    leaves: list[Any], mesh: Any, batch_dims: frozenset[int]
+) -> Callable[[Callable[..., Any]], tuple | None]:
+    """vmap with `randomness="different"` over examples split over the mesh: every rank maps over all of them,
+    drawing what one device draws (its generator advancing as one device's does), and keeps its own examples'
+    results. Mapped over its own examples only, every rank drew the first examples' numbers (ranks are seeded
+    alike). Costs each rank the whole batch's work; each rank's gradients are its own examples' (partial sums)."""
+    grads = _partial_over(batch_dims, mesh.ndim)
+    whole = []
+    for leaf in leaves:
+        if isinstance(leaf, DTensor):
+            if not all(p.is_replicate() for p in leaf.placements):
+                leaf = leaf.redistribute(mesh, [Replicate()] * mesh.ndim)
+            leaf = leaf.to_local(grad_placements=grads)
+        whole.append(leaf)
+    coordinate, index, ranks = mesh.get_coordinate(), 0, 1
+    for d in sorted(batch_dims):  # Shard(0) over several mesh dims: the first one splits outermost
+        index, ranks = index * mesh.size(d) + coordinate[d], ranks * mesh.size(d)
+    out_placements = [Shard(0) if d in batch_dims else Replicate() for d in range(mesh.ndim)]
+
+    def own(t: torch.Tensor) -> DTensor:
+        n = t.shape[0] // ranks
+        return DTensor.from_local(t[index * n:(index + 1) * n], mesh, out_placements, run_check=False)
+
+    def run(vectorised: Callable[..., Any]) -> tuple | None:
+        with _ClosureValuesAsLocalBlocks(mesh, batch_dims):
+            outs = vectorised(*whole)
+        if any(isinstance(t, DTensor) for t in outs):
+            return None  # the function made DTensors of its own: retry whole
+        return tuple(own(t) if isinstance(t, torch.Tensor) else t for t in outs)
 
     return run
 

@@ -13,7 +13,8 @@ Never recomputed (always kept when the backward needs them):
 - random ops (`torch.Tag.nondeterministic_seeded`: the dropout mask): the backward sees the same random
   numbers as without remat, and no RNG state has to be replayed;
 - collectives and their waits, unless the region asked for it (`recompute_collectives=True`);
-- ops that write in place, and ops reading a buffer that some op writes after them (their inputs change);
+- ops that write in place, ops reading a buffer that some op writes after them (their inputs change), and
+  ops whose own buffer some op writes after them (an `empty_like` that `rrelu_with_noise` fills with noise);
 - graph inputs and constants (alive anyway).
 """
 
@@ -232,6 +233,10 @@ class Recomputability:
         if torch.Tag.nondeterministic_bitwise in node.target.tags and not is_collective(node):
             return False  # e.g. index_add with atomics: a second run may differ in the last bits
         position = self.order[node]
+        if self.last_write.get(alias_root(node), -1) > position:
+            # Its own storage is filled later (rrelu's noise buffer, an `empty_like` that rrelu_with_noise
+            # writes): a copy would be the bare buffer, never filled.
+            return False
         reads = list(node.all_input_nodes)
         for inp in reads:
             if self.last_write.get(alias_root(inp), -1) > position:
