@@ -47,8 +47,12 @@ COMPRESSED = "pt3func_compressed"
 # On the nodes of a bucket's compressed reduction: the labels of the leaves it reduces, in bucket order.
 BUCKET = "pt3func_bucket"
 _KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
-# The argument of a step a leaf label starts with: a parameter name, or args[i] for *args.
-_ARG = re.compile(r"([A-Za-z_]\w*|args\[\d+\])(.*)$", re.S)
+# The argument of a step a leaf label starts with: a parameter name, or args[i] for *args (tried first: the name
+# alternative would match its "args" alone).
+_ARG = re.compile(r"(args\[\d+\]|[A-Za-z_]\w*)(.*)$", re.S)
+# spmd.lower's label for a gradient reduction of a value that is no step argument's leaf (a gradient taken of a
+# value computed inside the step, `p64 = tree.map(lambda t: t.double(), params)`): every such reduction has it.
+_UNLABELLED = "a parameter"
 
 
 class GradExchangeError(ValueError):
@@ -182,10 +186,13 @@ def rewrite(
             f"the ExchangeState's step, but the step takes no ExchangeState. Build it with state = "
             f"exchange.init(params), pass it to the step and return it unchanged."
         )
+    # Every gradient reduction, the ones left uncompressed too (skip_small, per_leaf None, PowerSGD's vectors): a
+    # non-finite result of any of them makes the optimizer skip the step, so it must keep the state too.
+    uncompressed = {wait: collective for collective, wait, _ in gradient_reductions(gm)}
     members = _members(gm, fmt, binding, name, group_info)
     bucket_bytes = config.grad_exchange_bucket_bytes if bucket_bytes is None else bucket_bytes
     step_in = None if binding is None else [n for n in gm.graph.nodes if n.op == "placeholder"][binding.step_in]
-    reduced: list[fx.Node] = []  # every compressed reduction's result
+    reduced: list[tuple[fx.Node, str, str]] = []  # every gradient reduction's result, its kind and group
     state_updates: list[tuple[int, fx.Node, fx.Node]] = []  # (output position, old value, new value)
     for bucket in _buckets(gm, members, bucket_bytes or 0):
         leaf_fmt = bucket[0].format
@@ -198,7 +205,8 @@ def rewrite(
         for member, result in zip(bucket, results):
             member.wait.replace_all_uses_with(result)
             outs = [result if o is member.wait else o for o in outs]  # a reduced gradient returned as it is
-            reduced.append(result)
+            reduced.append((result, member.reduction.kind, member.reduction.group_name))
+            del uncompressed[member.wait]
             for field_name, old_value in zip(member.names, member.state_nodes):
                 new_value = next(new_states)
                 pos = None if member.state_out is None else getattr(member.state_out, field_name)
@@ -220,8 +228,9 @@ def rewrite(
             new_step.meta["val"] = step_in.meta["val"] + 1
             new_step.meta["custom"] = {"pt3func": f"grad_exchange step counter ({fmt.describe()})"}
         outs[binding.step_out] = new_step
-        if reduced:
-            _keep_state_of_non_finite_steps(gm, output_node, outs, reduced, state_updates, members, fmt)
+        reduced += [(wait, _KINDS[analysis.collective_kind(c)], c.args[-1]) for wait, c in uncompressed.items()]
+        if state_updates:
+            _keep_state_of_non_finite_steps(gm, output_node, outs, reduced, state_updates, fmt)
         changed = True
     if changed:
         replace_outputs(gm, outs)
@@ -229,17 +238,17 @@ def rewrite(
 
 
 def _keep_state_of_non_finite_steps(
-    gm: fx.GraphModule, output_node: fx.Node, outs: list[Any], reduced: list[fx.Node],
-    state_updates: list[tuple[int, fx.Node, fx.Node]], members: list[_Member], fmt: Format,
+    gm: fx.GraphModule, output_node: fx.Node, outs: list[Any], reduced: list[tuple[fx.Node, str, str]],
+    state_updates: list[tuple[int, fx.Node, fx.Node]], fmt: Format,
 ) -> None:
     """A step whose reduced gradients are not all finite hands back the exchange state it was given (residuals,
     PowerSGD's Q; the step counter still counts it, so every rank keeps one schedule): the optimizer skips such a
-    step (`pf.optim.apply_if_finite`), and a NaN residual kept from it would make every later gradient NaN. Every
-    rank decides alike: an all-reduce's result is the same on every rank; reduce-scatters' flags are combined
-    over their groups (one scalar all-reduce each)."""
-    groups = sorted({m.reduction.group_name for m in members if m.reduction.kind == "reduce_scatter"})
+    step (`pf.optim.apply_if_finite`), and a NaN residual kept from it would make every later gradient NaN.
+    `reduced` is every gradient reduction's (result, kind, group), compressed or not. Every rank of the mesh
+    decides alike, as the optimizer does: see `_flag_groups`."""
+    groups = _flag_groups([(kind, group) for _, kind, group in reduced])
     custom = {"pt3func": f"grad_exchange: state kept when a reduced gradient is not finite ({fmt.describe()})"}
-    (finite,) = _inline(gm, output_node, functools.partial(_all_finite, groups), reduced, custom)
+    (finite,) = _inline(gm, output_node, functools.partial(_all_finite, groups), [r for r, _, _ in reduced], custom)
     with gm.graph.inserting_before(output_node):
         for pos, old, new in state_updates:
             kept = gm.graph.call_function(torch.ops.aten.where.self, (finite, new, old))
@@ -254,6 +263,69 @@ def _all_finite(groups: list[str], *reduced: torch.Tensor) -> tuple[torch.Tensor
         low = _C10D.wait_tensor(_C10D.all_reduce(flag.to(torch.float32), "min", group))
         flag = low > 0.5
     return (flag,)
+
+
+def _flag_groups(reductions: list[tuple[str, str]]) -> list[str]:
+    """The groups the "all finite" flag is combined over (one 0-d MIN all-reduce each), in the same order on
+    every rank, given every gradient reduction's (kind, group).
+
+    A rank sees only its own results: a reduce-scatter's shard, or on a mesh of several axes an all-reduce over
+    the data axes of its own tensor-parallel shard (a NaN in tp rank 0's shard is not in tp rank 1's), while
+    the optimizer's check covers the whole gradients. So the flag is combined over the whole mesh (one group
+    spanning it where there is one, else one per axis), unless every result is an all-reduce over every axis
+    already (plain data parallelism: the same everywhere, nothing to send). Groups of no known mesh (a test's
+    made-up names) are combined over themselves when they reduce-scatter."""
+    meshes = _live_meshes()
+    seen: dict[int, tuple[Any, list[tuple[str, tuple[str, ...]]]]] = {}  # in program order: alike on every rank
+    loose: set[str] = set()
+    for kind, group in reductions:
+        owner = next(((mesh, groups[group]) for mesh, groups in meshes if group in groups), None)
+        if owner is None:
+            if kind == "reduce_scatter":
+                loose.add(group)
+            continue
+        seen.setdefault(id(owner[0]), (owner[0], []))[1].append((kind, owner[1]))
+    out: list[str] = []
+    for mesh, found in seen.values():
+        if all(kind == "all_reduce" and set(axes) == set(mesh.axis_names) for kind, axes in found):
+            continue
+        out += [g for g in _whole_mesh_groups(mesh) if g not in out]
+    return out + sorted(loose - set(out))
+
+
+def _live_meshes() -> list[tuple[Any, dict[str, tuple[str, ...]]]]:
+    """Each mesh of this process's (this rank thread's) world, with its groups' names -> the axes they span."""
+    from pt3func.sharding import mesh as mesh_module
+
+    if not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    out = []
+    for mesh in {id(m): m for m in [*mesh_module._MESHES.values(), *mesh_module._MAKE_MESH_CACHE.values()]}.values():
+        if getattr(mesh, "_world", None) is not world:
+            continue  # another world's mesh (an earlier virtual mesh), or a virtual mesh's host-side handle
+        try:
+            dm = mesh.device_mesh
+            groups = {dm.get_group(i).group_name: (name,) for i, name in enumerate(mesh.axis_names)}
+            groups.update({pg.group_name: names for names, pg in mesh._groups.items()})
+            for flat_name, flat in getattr(dm, "_flatten_mapping", {}).items():
+                groups[flat.get_group(0).group_name] = tuple(flat_name.split("+"))
+            if getattr(mesh, "_is_world", False):  # Mesh.group of every axis is the world group then
+                groups.setdefault(world.group_name, tuple(mesh.axis_names))
+        except Exception:  # a mesh whose world is gone names no groups
+            continue
+        out.append((mesh, groups))
+    return out
+
+
+def _whole_mesh_groups(mesh: Any) -> list[str]:
+    """Groups whose successive all-reduces span every rank of `mesh`: the one group of all its axes where
+    DTensor flattened them (torch 2.13), else one per axis."""
+    dm = mesh.device_mesh
+    flat = getattr(dm, "_flatten_mapping", {}).get("+".join(mesh.axis_names))
+    if mesh.ndim > 1 and flat is not None:
+        return [flat.get_group(0).group_name]
+    return [dm.get_group(i).group_name for i in range(mesh.ndim)]
 
 
 def _members(
@@ -271,14 +343,13 @@ def _members(
     reductions = gradient_reductions(gm)
     # Gradients of several arguments (argnums=(0, 1)): the state is keyed by argument name too, `{"a": a, "b": b}`
     # (by the path inside the one argument otherwise), so two arguments' `['w']` never share a residual.
-    several = len({_split_label(label)[0] for _, _, label in reductions}) > 1
+    several = len({_split_label(label)[0] for _, _, label in reductions if label != _UNLABELLED}) > 1
     for collective, wait, label in reductions:
-        if label in done:  # a second reduction of the same leaf (e.g. over another axis) stays exact
+        computed = label == _UNLABELLED  # each such reduction is its own leaf, though all share the label
+        if label in done and not computed:  # a second reduction of the same leaf (e.g. over another axis) stays exact
             continue
         done.add(label)
-        arg, path = _split_label(label)
-        if several:
-            path = f"[{arg!r}]{path}"
+        path = label if computed else _state_path(label, several, binding)
         shape = tuple(collective.args[0].meta["val"].shape)
         leaf_fmt = fmt.resolve(path, shape)
         if leaf_fmt is not None and not set(leaf_fmt.schedule()) <= set(fmt.schedule()):
@@ -297,6 +368,14 @@ def _members(
         world, rank = group_info(group_name)
         r = Reduction(kind, collective.args[1], group_name, world, rank, tuple(wait.meta["val"].shape), leaf_seed(path))
         needed = leaf_fmt.state_shapes(shape, kind, world)
+        if computed and needed:
+            raise GradExchangeError(
+                f"{name}: grad_exchange ({fmt.describe()}) keeps state ({', '.join(needed)}) per leaf, but a gradient "
+                f"of local shape {list(shape)} reduced here is of a value computed inside the step (e.g. a cast "
+                f"params.double()), not of a step argument's leaf, so no ExchangeState entry can be keyed to it. "
+                f"Differentiate the step's arguments themselves (cast inside the loss: pf.grad(lambda p: "
+                f"loss(tree.map(lambda t: t.double(), p)))(params)), or use a stateless format (bf16, fp16)."
+            )
         if (needed or leaf_fmt.needs_step) and binding is None:
             raise GradExchangeError(
                 f"{name}: grad_exchange ({fmt.describe()}) keeps state for {label} (error-feedback residuals, a "
@@ -335,6 +414,19 @@ def _members(
             member.stored[field_name] = tuple(node.meta["val"].shape)
         members.append(member)
     return members
+
+
+def _state_path(label: str, several: bool, binding: StateBinding | None) -> str:
+    """Where the state keeps the leaf `label` (`params['fc1']['w']`): under the argument's name too
+    (`['params']['fc1']['w']`, a state built from `{"a": a, "b": b}` for argnums=(0, 1)) where the state holds
+    that path, or gradients of several arguments are reduced here (their `['w']`s must not share a residual);
+    else the path inside the argument (`['fc1']['w']`). Decided by the state: with b frozen or detached only
+    a's gradients are reduced, but the state README tells to build for argnums=(0, 1) is still keyed by name."""
+    arg, path = _split_label(label)
+    keyed = f"[{arg!r}]{path}"
+    if several or (binding is not None and keyed in binding.leaves and path not in binding.leaves):
+        return keyed
+    return path
 
 
 def _buckets(gm: fx.GraphModule, members: list[_Member], bucket_bytes: int) -> list[list[_Member]]:
