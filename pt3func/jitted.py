@@ -198,11 +198,16 @@ class Jitted:
         if VirtualWorld._installed and not in_rank_thread():
             vmesh = find_mesh(args, kwargs) or mesh_of_shardings(self.in_shardings, self.out_shardings)
             if vmesh is not None:
-                return virtual_call(vmesh, self, args, kwargs)
+                self._donated_call_leaves: dict[int, str] = {}
+                out = virtual_call(vmesh, self, args, kwargs)
+                lower.invalidate_call_leaves((args, kwargs), self._donated_call_leaves)
+                return out
+        replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        given = (args, kwargs)
         if self.in_shardings is not None:
             args, kwargs = lower.apply_in_shardings_to_call(
                 args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
-                self._spec.param_names, (self.name, self._agreed),
+                self._spec.param_names, (self.name, self._agreed), replaced=replaced,
             )
         key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
         if getattr(EAGER_DIFFERENTIATION, "depth", 0) and _any_requires_grad(leaves):
@@ -229,9 +234,12 @@ class Jitted:
         if compiled._switch is not None:  # an exchange guard picks the program
             if compiled._switch.program is None:  # still in its trials: two programs, the outputs not remembered
                 self._leaf_memo.forget()
-                return compiled.run_leaves(leaves)
+                result = compiled.run_leaves(leaves)
+                self._invalidate_replaced(replaced, given)
+                return result
             compiled = compiled._switch.program  # decided: the chosen program runs as any other
         out_leaves = compiled.run_flat(leaves)
+        self._invalidate_replaced(replaced, given)
         # After the launch (on a GPU this overlaps the step): the signature of the next call's likely leaves.
         self._leaf_memo.remember(
             leaves,
@@ -242,6 +250,14 @@ class Jitted:
             LastCall(treedef, static, leaf_keys, key, compiled),
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
+
+    def _invalidate_replaced(self, replaced: list[tuple[torch.Tensor, torch.Tensor]], given: tuple) -> None:
+        """A caller's tensor that in_shardings replaced by a placed copy is invalidated when the copy was donated;
+        in a virtual rank thread (the tensor a copy of the caller's), the caller's thread is told which."""
+        if replaced:
+            donated = lower.invalidate_donated_originals(replaced, given)
+            if donated and in_rank_thread():
+                self._donated_call_leaves = donated
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""

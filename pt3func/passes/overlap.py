@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from pt3func.analysis import is_collective
+from pt3func.trace.capture import storage_root
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COPY = torch.ops.aten.copy_.default
@@ -100,10 +101,16 @@ def order_by_readiness(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             users = [key[u] for u in node.users if u in in_tail]
             key[node] = min(users, default=-1)
+    # Tail nodes by the storage they read: a read through a view (made anywhere, even before the last
+    # collective: `params.view(...)` at the top of the step) reads the viewed input's memory too.
+    readers_of: dict[fx.Node, list[fx.Node]] = {}
+    for node in tail:
+        for root in {storage_root(a) for a in node.all_input_nodes}:
+            readers_of.setdefault(root, []).append(node)
     for node in tail:
         if node.target is _COPY and isinstance(node.args[0], fx.Node):
             # An in-place write (donation's copy_ into an input) must stay after every read of the old value.
-            readers = [key[u] for u in node.args[0].users if u in in_tail and u is not node]
+            readers = [key[u] for u in readers_of.get(storage_root(node.args[0]), []) if u is not node]
             key[node] = max([key[node], *readers])
         # Never before an input: holds by construction except after the raise above.
         key[node] = max([key[node], *(key[a] for a in node.all_input_nodes if a in in_tail)])

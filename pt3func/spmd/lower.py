@@ -244,12 +244,15 @@ def apply_in_shardings(
     static_argnums: frozenset[int],
     labels: Sequence[str] = (),
     agreed: tuple[str, set] | None = None,
+    replaced: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[Any, ...]:
     """Place positional arguments as `in_shardings` asks (a per-argument pytree prefix; None keeps as is).
 
     Leaves already placed as asked are passed through untouched (same object), so donation still
     invalidates the caller's tensors. `agreed` is (the step's name, the input signatures already checked): in
-    a world of processes the ranks' plain tensors are first checked to be the same global values.
+    a world of processes the ranks' plain tensors are first checked to be the same global values. Each tensor
+    replaced by a placed copy is appended to `replaced` as (caller's tensor, placed copy): a donation of the
+    copy must invalidate the caller's tensor too (`invalidate_donated_originals`).
     """
     from pt3func.errors import ShardingError
     from pt3func.sharding.put import broadcast_shardings, put_leaf
@@ -294,6 +297,8 @@ def apply_in_shardings(
             except ShardingError as exc:
                 label = labels[i] if labels and i < len(labels) else f"args[{i}]"
                 raise ShardingError(f"in_shardings of {label}{keystr(path)}: {exc}") from None
+            if replaced is not None and put is not leaf:
+                replaced.append((leaf, put))
             placed.append(put)
         out[i] = unflatten(treedef, placed)
     return tuple(out)
@@ -307,6 +312,7 @@ def apply_in_shardings_to_call(
     static_argnames: frozenset[str],
     labels: Sequence[str],
     agreed: tuple[str, set] | None = None,
+    replaced: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """`apply_in_shardings` for a call with keyword arguments: each keyword naming a positional parameter is placed
     as the entry at that parameter's position (JAX refuses keyword arguments when in_shardings is given; binding
@@ -317,7 +323,7 @@ def apply_in_shardings_to_call(
     from pt3func.tree import leaves
 
     if not kwargs:
-        return apply_in_shardings(args, in_shardings, static_argnums, labels, agreed), kwargs
+        return apply_in_shardings(args, in_shardings, static_argnums, labels, agreed, replaced), kwargs
     positions = {name: i for i, name in enumerate(labels)}
     bound: dict[int, str] = {}
     rest: list[str] = []
@@ -336,14 +342,57 @@ def apply_in_shardings_to_call(
     full = list(args) + [None] * (n - len(args))  # a parameter not passed (its default) stays as it is
     for i, name in bound.items():
         full[i] = kwargs[name]
-    placed = apply_in_shardings(tuple(full), in_shardings, static_argnums, labels, agreed)
+    placed = apply_in_shardings(tuple(full), in_shardings, static_argnums, labels, agreed, replaced)
     new_kwargs = dict(kwargs)
     for i, name in bound.items():
         new_kwargs[name] = placed[i]
     if rest:
-        extra = apply_in_shardings(tuple(kwargs[name] for name in rest), in_shardings, frozenset(), rest)
+        extra = apply_in_shardings(
+            tuple(kwargs[name] for name in rest), in_shardings, frozenset(), rest, replaced=replaced
+        )
         new_kwargs.update(zip(rest, extra))
     return placed[: len(args)], new_kwargs
+
+
+def invalidate_donated_originals(
+    replaced: Sequence[tuple[torch.Tensor, torch.Tensor]], call: Any = None
+) -> dict[int, str]:
+    """After a call: invalidate each caller's tensor whose placed copy (from `apply_in_shardings(replaced=...)`)
+    the call donated.
+
+    In a world of processes the caller's plain tensor may share its storage with the placed replicated copy (it
+    then holds the new values); elsewhere it holds the old ones. Either way, read after a donation it would
+    silently be wrong. Returns {index among the leaves of `call` (the (args, kwargs) placed): the program's
+    name} for those tensors, for `invalidate_call_leaves`.
+    """
+    from pt3func.runtime.donated import invalidate, is_donated
+    from pt3func.runtime.virtual import is_virtual_leaf
+    from pt3func.tree import leaves
+
+    index: dict[int, int] = {}
+    for k, leaf in enumerate(leaves(call, is_leaf=is_virtual_leaf) if call is not None else ()):
+        index.setdefault(id(leaf), k)
+    done: dict[int, str] = {}
+    for original, put in replaced:
+        if is_donated(put) and not is_donated(original):
+            where = getattr(put, "_pt3func_donated", "a jitted step")
+            invalidate(original, where)
+            if id(original) in index:
+                done[index[id(original)]] = where
+    return done
+
+
+def invalidate_call_leaves(call: Any, donated: dict[int, str]) -> None:
+    """On a virtual mesh, in the caller's thread: invalidate the caller's tensors at the leaf indices a rank
+    thread's `invalidate_donated_originals` returned (each rank placed and donated a copy of its own)."""
+    from pt3func.runtime.donated import invalidate, is_donated
+    from pt3func.runtime.virtual import is_virtual_leaf
+    from pt3func.tree import leaves
+
+    flat = leaves(call, is_leaf=is_virtual_leaf)
+    for k, where in donated.items():
+        if k < len(flat) and isinstance(flat[k], torch.Tensor) and not is_donated(flat[k]):
+            invalidate(flat[k], where)
 
 
 def _zero_dim(x: Any) -> bool:

@@ -129,7 +129,11 @@ def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[N
 
 
 _SEEDING = (("torch", "manual_seed"), ("torch.random", "manual_seed"), ("torch", "seed"), ("torch.random", "seed"),
-            ("torch.cuda", "manual_seed"), ("torch.cuda", "manual_seed_all"))
+            ("torch.cuda", "manual_seed"), ("torch.cuda", "manual_seed_all"),
+            ("torch", "set_rng_state"), ("torch.random", "set_rng_state"), ("torch.cuda", "set_rng_state"),
+            ("torch.cuda", "set_rng_state_all"))
+# Methods of torch.Generator (a C type: they cannot be patched) that set its state.
+_GENERATOR_SETTERS = frozenset({"manual_seed", "seed", "set_state", "graphsafe_set_state"})
 
 
 @contextlib.contextmanager
@@ -151,16 +155,71 @@ def _no_reseeding(fn_name: str) -> Iterator[None]:
                 caller = caller.f_back  # pprint, logging, reprlib formatting it for the user
             if is_user_file(caller.f_code.co_filename):
                 raise ImpureFunctionError(
-                    f"{describe(caller.f_code.co_filename, caller.f_lineno)}: {_attr}() inside jitted '{fn_name}' "
-                    "sets the global generator, which happens once while tracing, not at every call. Seed before "
-                    "calling the step (torch.manual_seed(s); step(...) reproduces its draws), or pass a "
-                    "torch.Generator to the random ops."
+                    _reseeding_message(describe(caller.f_code.co_filename, caller.f_lineno), f"{_attr}()", fn_name)
                 )
             return _original(*args, **kwargs)
 
         patched.append((module, attr, guarded))
     with _attributes_replaced(patched):
         yield
+
+
+def _reseeding_message(where: str, call: str, fn_name: str) -> str:
+    return (
+        f"{where}: {call} inside jitted '{fn_name}' sets the global generator, which happens once while tracing, "
+        "not at every call. Seed before calling the step (torch.manual_seed(s); step(...) reproduces its draws), "
+        "or pass a torch.Generator to the random ops."
+    )
+
+
+def _default_generator_states() -> list[torch.Tensor]:
+    """The states of torch's default generators: the CPU one, and CUDA's where CUDA is started."""
+    generators = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        generators += list(torch.cuda.default_generators)
+    return [g.get_state() for g in generators]
+
+
+def _check_default_generators_untouched(before: list[torch.Tensor], retrace: Callable[[], object],
+                                        fn_name: str) -> None:
+    """Refuse a step that set a default generator's state while traced (`torch.default_generator.manual_seed(s)`),
+    which a program would not do at its calls; `torch.manual_seed` and `set_rng_state` are refused as they run.
+
+    A trace draws nothing (its tensors are fake), so a changed state means a setter ran, here or in another
+    thread (a data loader's). `retrace` runs the trace again with a profiler hook on this thread only, which
+    finds the user's line; nothing found there, the change came from elsewhere and the step is kept.
+    """
+    from pt3func.runtime import virtual
+
+    if virtual.in_rank_thread():
+        return  # a virtual mesh's other ranks draw from the same generators meanwhile: no retrace for each of them
+    after = _default_generator_states()
+    if len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)):
+        return
+    found: list[str] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if (event == "c_call" and not found and isinstance(getattr(arg, "__self__", None), torch.Generator)
+                and getattr(arg, "__name__", "") in _GENERATOR_SETTERS and is_user_file(frame.f_code.co_filename)):
+            found.append(f"{describe(frame.f_code.co_filename, frame.f_lineno)}: Generator.{arg.__name__}()")
+
+    sys.setprofile(hook)
+    try:
+        retrace()
+    except Exception:  # noqa: BLE001 - the first trace succeeded; only the setter's line is looked for
+        pass
+    finally:
+        sys.setprofile(None)
+    if found:  # the user's setter ran (twice): the generators as they were before the step was traced
+        _set_default_generator_states(before)
+        where, call = found[0].split(": ", 1)
+        raise ImpureFunctionError(_reseeding_message(where, call, fn_name))
+
+
+def _set_default_generator_states(states: list[torch.Tensor]) -> None:
+    torch.default_generator.set_state(states[0])
+    for g, state in zip(torch.cuda.default_generators if len(states) > 1 else (), states[1:]):
+        g.set_state(state)
 
 
 _BACKWARD_CALLERS = ("torch/utils/checkpoint.py", "torch/autograd/function.py")
@@ -253,6 +312,32 @@ def _dtensor_bookkeeping_untraced() -> Iterator[None]:
         yield
 
 
+# In-place fills whose fake-tensor implementation (torch's reference) refuses a generator: their parameters.
+_FILLS_WITHOUT_FAKE_GENERATOR = {
+    torch.Tensor.exponential_: (("lambd", 1.0),),
+    torch.Tensor.geometric_: (("p", None),),
+    torch.Tensor.cauchy_: (("median", 0.0), ("sigma", 1.0)),
+    torch.Tensor.log_normal_: (("mean", 1.0), ("std", 2.0)),
+}
+
+
+def _fill_with_generator(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """`x.exponential_(..., generator=g)` (and the other `_FILLS_WITHOUT_FAKE_GENERATOR`) traced as
+    `x.copy_(pt3func::random_fill(...))`: the same fill of a buffer with `x`'s layout from `g` (fake tensors
+    failed with "generator is not supported in refs")."""
+    from pt3func.passes.random_fills import generator_key
+
+    x, *given = args
+    names = _FILLS_WITHOUT_FAKE_GENERATOR[func]
+    numbers = [float(kwargs.get(name, given[i] if i < len(given) else default)) for i, (name, default) in
+               enumerate(names) if i < len(given) or name in kwargs or default is not None]
+    drawn = torch.ops.pt3func.random_fill.default(
+        list(x.shape), list(x.stride()), x.dtype, x.device, func.__name__, numbers, None,
+        generator_key(kwargs["generator"]),
+    )
+    return x.copy_(drawn)
+
+
 RECURRENT_KERNELS = frozenset({torch._C._VariableFunctions.lstm, torch._C._VariableFunctions.gru,
                                 torch._C._VariableFunctions.rnn_tanh, torch._C._VariableFunctions.rnn_relu})
 
@@ -278,6 +363,8 @@ class _TracedCallRules(TorchFunctionMode):
         if func in RECURRENT_KERNELS:
             with torch.backends.mkldnn.flags(enabled=False):
                 return func(*args, **kwargs)
+        if func in _FILLS_WITHOUT_FAKE_GENERATOR and kwargs.get("generator") is not None:
+            return _fill_with_generator(func, args, kwargs)
         if func is torch.nn.functional.embedding and (kwargs.get("sparse") or (len(args) > 6 and args[6])):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if not (torch.is_grad_enabled() and getattr(weight, "requires_grad", False)):
@@ -309,9 +396,14 @@ def trace(
                 _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name):
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
-            gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
-                *example_inputs
-            )
+            def traced() -> torch.fx.GraphModule:
+                return make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
+                    *example_inputs
+                )
+
+            states = _default_generator_states()
+            gm = traced()
+            _check_default_generators_untouched(states, traced, fn_name)
     except SyntaxError as exc:
         # FX prints each op as Python: an overload named after a keyword (`aten.random_.from`, from
         # `Tensor.random_(low, high)`) cannot be printed, and make_fx fails in its code generation.
@@ -405,10 +497,16 @@ def eliminate_dead_code(graph: torch.fx.Graph) -> None:
 
 
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:
-    """Follow view ops (view, t, slice, detach, ...) back to the node that owns the storage."""
-    while (
-        node.op == "call_function" and _is_view(node.target) and node.args and isinstance(node.args[0], torch.fx.Node)
-    ):
+    """Follow view ops (view, t, slice, detach, ...) back to the node that owns the storage.
+
+    Also steps through `operator.getitem` of an op whose list result aliases its input (`Tensor(a)[]`: unbind,
+    split, chunk, split_with_sizes): the piece is a view, though getitem itself has no schema to say so.
+    """
+    import operator  # local: only this function (edited apart from the rest of the module) needs it
+
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        if not (_is_view(node.target) or (node.target is operator.getitem and _is_view(node.args[0].target))):
+            break
         node = node.args[0]
     return node
 
