@@ -200,3 +200,24 @@ def test_lower_keeps_no_argument_alive() -> None:
     del x
     assert not storage_alive(ptr)  # the lowered program keeps shapes, not the batch
     torch.testing.assert_close(lowered.compile()(w, torch.ones(16, 8)), (torch.ones(16, 8) @ w).sum())
+
+
+def test_a_torch_compiled_model_inside_a_step_is_traced_through() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, y = torch.randn(10, 8), torch.randn(10, 4)
+    params, apply = pf.functionalize(torch.compile(model))
+    loss, _ = pf.jit(pf.value_and_grad(lambda p: nn.functional.mse_loss(apply(p, x), y)), backend="eager")(params)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(model(x), y))
+
+
+def test_distribution_validation_names_validate_args() -> None:
+    def step(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.distributions.Categorical(logits=x @ p["w"], validate_args=True).entropy().mean()
+
+    with pytest.raises(pf.DataDependentControlFlowError, match="validate_args=False"):
+        pf.jit(step, backend="eager")({"w": torch.randn(4, 3)}, torch.randn(5, 4))
+    want = torch.distributions.Categorical(logits=torch.ones(5, 3)).entropy().mean()
+    got = pf.jit(lambda p, x: torch.distributions.Categorical(logits=x @ p["w"], validate_args=False).entropy().mean(),
+                 backend="eager")({"w": torch.ones(4, 3)}, torch.ones(5, 4) / 4)
+    torch.testing.assert_close(got, want)

@@ -7,6 +7,7 @@ the backward that `torch.autograd.grad` runs, the optimizer) and the user's sour
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import traceback
@@ -393,7 +394,8 @@ def trace(
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
         with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _no_backward(fn_name), \
-                _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name):
+                _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name), \
+                _inlining_compiled_functions():
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             def traced() -> torch.fx.GraphModule:
@@ -419,9 +421,16 @@ def trace(
         where = describe(*frame) if frame else f"in '{fn_name}'"
         inner = library_frame_in_traceback(exc.__traceback__)
         inside = f" (inside {describe(*inner)})" if inner else ""
+        if inner and f"distributions{os.sep}" in inner[0]:
+            fix = (
+                "torch.distributions checks its arguments' values (validate_args): pass validate_args=False to the "
+                "distribution, or call torch.distributions.Distribution.set_default_validate_args(False)."
+            )
+        else:
+            fix = _FIX_CONTROL_FLOW
         raise DataDependentControlFlowError(
             f"{where}{inside}: Python control flow on a tensor's value, or a read of it into Python (`if t`, "
-            f"float(t), int(t), a tensor as a size or slice bound). {_FIX_CONTROL_FLOW}"
+            f"float(t), int(t), a tensor as a size or slice bound). {fix}"
         ) from None
     # DTensor's own bookkeeping (mesh coordinates read with .tolist()) leaves dead scalar reads behind;
     # only values the program uses count.
@@ -429,6 +438,17 @@ def trace(
     gm.recompile()
     check_static(gm, fn_name)
     return gm
+
+
+@contextlib.contextmanager
+def _inlining_compiled_functions() -> Iterator[None]:
+    """A `torch.compile`d model or function called inside the step is traced through (its code is part of the
+    program pt3func compiles), as outside `pf.jit` it runs; Dynamo refused it ("Detected that you are using FX to
+    symbolically trace a dynamo-optimized function")."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        yield
 
 
 def _where(node: torch.fx.Node, fn_name: str) -> str:
