@@ -11,12 +11,15 @@ A process that uses a virtual mesh cannot also join a real torch.distributed wor
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import operator
 import queue
 import sys
 import threading
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +30,24 @@ from pt3func import tree
 from pt3func.errors import ShardingError
 from pt3func.sharding.mesh import Mesh
 
-_LOCAL = threading.local()  # in a rank thread: .rank, .world (the VirtualWorld it belongs to)
+# In a rank thread: .rank; while it runs a job, .world (the VirtualWorld it belongs to) and .mesh (the VirtualMesh)
+_LOCAL = threading.local()
+
+
+# One job at a time, over every virtual world of the process. Two threads running jobs on one world at once would
+# take each other's results from its results queue (and interleave their collectives); on two worlds at once their
+# collectives would meet: torch's threaded process groups pair a collective's ranks by group name in one registry
+# of the process (`ProcessLocalGroup._cur_coll_on_pgs`), and every world names its groups alike ("0", "1", ...).
+_RUN_LOCK = threading.Lock()
+_CALLER = threading.local()  # .running: this thread holds _RUN_LOCK
 
 
 class VirtualWorld:
-    """N rank threads, each in a threaded torch.distributed world of size N."""
+    """N rank threads, each in a threaded torch.distributed world of size N.
+
+    The rank threads hold only their queues, never the world itself: once nothing refers to the world (its mesh,
+    the arrays on it, the steps compiled for it), a finalizer stops them, and each tears down its process groups,
+    so a dropped virtual mesh frees its threads and what they held."""
 
     _installed = False
 
@@ -40,58 +56,119 @@ class VirtualWorld:
         self.size = size
         self._store = dist.HashStore()
         self._jobs: list[queue.Queue] = [queue.Queue() for _ in range(size)]
-        self._results: queue.Queue = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._serve, args=(rank,), name=f"pt3func-virtual-rank{rank}", daemon=True)
+            threading.Thread(
+                target=_serve, args=(rank, self._jobs[rank]), name=f"pt3func-virtual-rank{rank}", daemon=True,
+            )
             for rank in range(size)
         ]
+        # Not at interpreter exit: the daemon threads die with the process, and tearing down process groups while
+        # the interpreter shuts down could fail in ways nobody can act on.
+        weakref.finalize(self, _stop, self._jobs, self._threads).atexit = False
         # Each rank's init_process_group wraps the process's sys.excepthook to prefix "[rankN]:" to tracebacks;
         # in one process that stacks N prefixes per virtual mesh on every later uncaught error. Keep the user's.
         excepthook = sys.excepthook
+        store = self._store
         try:
             for t in self._threads:
                 t.start()
-            self.run(lambda rank: None)  # every rank has joined its world
+            # Joined as a job, so under _RUN_LOCK: no other world's collectives run meanwhile.
+            self.run(lambda rank: dist.init_process_group("threaded", rank=rank, world_size=size, store=store))
         finally:
             sys.excepthook = excepthook
-
-    def _serve(self, rank: int) -> None:
-        _LOCAL.rank, _LOCAL.world = rank, self
-        torch.set_num_threads(1)
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=self.size, store=self._store)
-        except Exception as exc:  # reported by the first run()
-            self._results.put((rank, False, exc))
-            return
-        while True:
-            job = self._jobs[rank].get()
-            if job is None:
-                return
-            try:
-                self._results.put((rank, True, job(rank)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                self._results.put((rank, False, exc))
 
     def run(self, job: Callable[[int], Any]) -> list[Any]:
         """Run `job(rank)` on every rank thread at once; return the results in rank order.
 
         An exception on any rank is raised here (rank 0's first): ranks run the same program, so an error
-        in tracing or sharding is raised by all of them alike.
+        in tracing or sharding is raised by all of them alike. Callers are served one at a time (see _RUN_LOCK).
         """
+        if in_rank_thread() or getattr(_CALLER, "running", False):
+            # A rank thread: its world's job is running (this thread is part of it), so waiting for that world
+            # would hang, and another world's collectives would meet its own. The caller's thread, re-entered
+            # while it waits for the ranks (a finalizer): it would read the first job's results as its own.
+            raise ShardingError(
+                f"a virtual world of {self.size} ranks was asked to run a job while a virtual job is running on this "
+                "thread; virtual ranks run one job at a time. Gather the value first (pf.device_get) in the thread "
+                "that calls the step"
+            )
         job = _in_callers_modes(job)
-        for q in self._jobs:
-            q.put(job)
-        results: list[Any] = [None] * self.size
-        errors: dict[int, BaseException] = {}
-        for _ in range(self.size):
-            rank, ok, value = self._results.get()
-            if ok:
-                results[rank] = value
-            else:
-                errors[rank] = value
+
+        def in_world(rank: int) -> Any:
+            # Named for the job only: a rank thread that kept its world in thread-local storage would keep it alive.
+            _LOCAL.world = self
+            try:
+                return job(rank)
+            finally:
+                _LOCAL.world = None
+
+        with _RUN_LOCK:
+            _CALLER.running = True
+            try:
+                # The call's own queue: results of a job whose caller was interrupted (Ctrl-C while waiting) go to
+                # that caller's queue, never to the next caller's.
+                replies: queue.Queue = queue.Queue()
+                for q in self._jobs:
+                    q.put((in_world, replies))
+                del in_world  # the rank threads hold the only references now: the arguments die with the job
+                results: list[Any] = [None] * self.size
+                errors: dict[int, BaseException] = {}
+                for _ in range(self.size):
+                    rank, ok, value = replies.get()
+                    if ok:
+                        results[rank] = value
+                    else:
+                        errors[rank] = value
+            finally:
+                _CALLER.running = False
         if errors:
             raise errors[min(errors)]
         return results
+
+
+def _serve(rank: int, jobs: queue.Queue) -> None:
+    """A rank thread: run jobs until the stop signal (None), then leave the world (the first job joined it)."""
+    _LOCAL.rank = rank
+    torch.set_num_threads(1)
+    while True:
+        item = jobs.get()
+        if item is None:
+            break
+        job, replies = item
+        try:
+            replies.put((rank, True, job(rank)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            replies.put((rank, False, exc))
+        # Not kept until the next job: the job closes over the call's arguments (a step's parameters, a batch).
+        item = job = replies = None
+    # As torch's own threaded-world tests end each rank thread; under _RUN_LOCK, so no other world's collective runs
+    # meanwhile. Nothing waits on this thread any more: a failure here is reported, never raised.
+    with _RUN_LOCK:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"pt3func: tearing down virtual rank {rank}'s process groups failed: {exc!r}", stacklevel=1)
+    _ENDING.discard(threading.current_thread())
+
+
+# Rank threads told to end, until they have: the interpreter waits for them at exit (`_join_ending`). A daemon thread
+# still tearing down its process groups when the interpreter finalizes is stopped inside C++ (a process group's
+# destructor) and the process aborts ("terminate called without an active exception").
+_ENDING: set[threading.Thread] = set()
+
+
+def _stop(jobs: list[queue.Queue], threads: list[threading.Thread]) -> None:
+    """The finalizer of a dropped VirtualWorld: every rank thread ends (it holds nothing of the world but these)."""
+    _ENDING.update(t for t in threads if t.is_alive())
+    for q in jobs:
+        q.put(None)
+
+
+@atexit.register
+def _join_ending() -> None:
+    for t in list(_ENDING):
+        t.join(timeout=10)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -198,10 +275,18 @@ class VirtualMesh(Mesh):
 
         def with_mesh(rank: int) -> Any:
             _LOCAL.mesh = self  # named by rank_mesh's error when another virtual mesh is used here
-            with set_mesh(self):
-                return job(rank)
+            try:
+                with set_mesh(self):
+                    return job(rank)
+            finally:
+                _LOCAL.mesh = None  # a rank thread that kept the mesh would keep it alive
 
         return self.world.run(with_mesh)
+
+    def __deepcopy__(self, memo: dict) -> VirtualMesh:
+        # The mesh itself, as a copied DTensor keeps its DeviceMesh's place: a copy would be another world of
+        # threads (and cannot be made: its store and process groups cannot be copied).
+        return self
 
 
 class VirtualArray:
@@ -247,6 +332,10 @@ class VirtualArray:
     def __float__(self) -> float:
         return float(self.full())
 
+    def __deepcopy__(self, memo: dict) -> VirtualArray:
+        """A copy with each rank's value copied in its own rank thread, on the same mesh (`copy.deepcopy(params)`)."""
+        return VirtualArray(self.mesh, self.mesh.run(lambda rank: _copy_tensor(self.locals[rank])))
+
     def __repr__(self) -> str:
         return f"VirtualArray(shape={tuple(self.shape)}, dtype={self.dtype}, placements={self.placements})"
 
@@ -272,6 +361,17 @@ class VirtualArray:
 
     def __getitem__(self, index: Any) -> Any:
         return _on_every_rank(lambda value, i: value[i], (self, index), {})
+
+
+def _copy_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`copy.deepcopy(x)` but on x's own DeviceMesh: deepcopy of a DTensor would deep-copy its DeviceMesh too, a new
+    mesh object (a new jit signature, `trace/signature.py` keys meshes by identity) of no world."""
+    y = x.detach().clone()  # a DTensor's clone is its local tensor's, placements and mesh kept
+    if x.requires_grad:
+        y.requires_grad_(True)
+    if x.is_leaf and x.grad is not None:  # (reading a non-leaf's .grad warns)
+        y.grad = x.grad.detach().clone()
+    return y
 
 
 def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[[Any, Any], Any]:
