@@ -28,6 +28,11 @@ TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")
 # broadcast when the index is split; 2.13's is right.
 DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN = TORCH_VERSION < (2, 13)
 
+# torch 2.11's threaded process-group world: once a virtual mesh's rank threads ended, tracing a step on the next
+# virtual mesh crashed the process (a segmentation fault in FakeTensorMode, with or without tearing down the ended
+# threads' process groups). There a dropped mesh's threads stay, idle, holding nothing of it; 2.13 ends them.
+VIRTUAL_RANK_THREADS_CAN_END = TORCH_VERSION >= (2, 13)
+
 
 def outside_functorch_levels() -> contextlib.AbstractContextManager:
     """A block run outside torch.func's transforms (vmap, grad): torch's private

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import numbers
+import pickle
 import types
 import warnings
 from collections import OrderedDict, defaultdict
@@ -49,7 +50,13 @@ from pt3func.spmd.partial_sums import reducing_partial_sums
 from pt3func.stages import Compiled, Lowered, Program, refuse_donating_captured
 from pt3func.trace import capture
 from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
-from pt3func.trace.module_modes import ModuleModes, recording_called_modules
+from pt3func.trace.module_modes import (
+    NO_WATCH,
+    ModuleWatch,
+    Recording,
+    recording_called_modules,
+    static_module_modes,
+)
 from pt3func.trace.signature import (
     SCALAR_TYPES,
     ArgSpec,
@@ -109,7 +116,9 @@ class Jitted:
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
         self._agreed: set = set()  # plain-input signatures the ranks of a process world were checked to agree on
-        self._modules = ModuleModes()  # the modules its traces called: their train / eval modes key the cache
+        # Per signature (all of the key but its last entry): the module sets its traces called, whose train / eval
+        # modes (`ModuleWatch.modes()`) are the key's last entry.
+        self._watches: dict[tuple, list[ModuleWatch]] = {}
         self._leaf_memo = LeafKeyMemo(leaf_key)  # keys of the leaves the last call returned (and kept valid)
         # updated=(): copying fn.__dict__ (a pf.grad / functools.wraps wrapper of another Jitted carries that one's
         # attributes) over ours made this Jitted run the inner function, with the inner one's options. A user's own
@@ -133,7 +142,7 @@ class Jitted:
             orders = _dict_orders((dyn_args, [dyn_kwargs[k] for k in sorted(dyn_kwargs)]))
         else:
             orders = _dict_orders(dynamic)
-        modes = self._modules.modes()
+        static_modes = static_module_modes(static)
         last = self._leaf_memo.last()
         if last is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
@@ -145,7 +154,7 @@ class Jitted:
             except (ValueError, TypeError):  # another structure
                 leaves = None
             if leaves is not None and last.static == static and last.key[2] == types and last.key[4] == orders \
-                    and last.key[5] == modes:
+                    and last.key[5] == static_modes and last.key[6][0].modes() == last.key[6][1]:
                 leaf_keys = self._leaf_keys(leaves, last.treedef, static)
                 if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
                     return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
@@ -154,10 +163,17 @@ class Jitted:
             leaves, treedef = tree.flatten(dynamic)
         leaf_keys = self._leaf_keys(leaves, treedef, static)
         try:
-            # The program's signature (`Program.key`, as `Compiled.__call__` computes it), the dicts' orders and the
-            # modes of the modules the step calls.
-            key = (treedef, static, types, leaf_keys, orders, modes)
-            compiled = self._cache.get(key)  # hashes the key: an unhashable static leaf fails here
+            # The program's signature (`Program.key`, as `Compiled.__call__` computes it), the dicts' orders, the
+            # modes of modules given as static arguments, and of the modules its trace called: (watch, modes).
+            base = (treedef, static, types, leaf_keys, orders, static_modes)
+            key = base + ((NO_WATCH, ()),)
+            compiled = None
+            for watch in self._watches.get(base, ()):  # hashes the key: an unhashable static leaf fails here
+                candidate = base + ((watch, watch.modes()),)
+                compiled = self._cache.get(candidate)
+                if compiled is not None or candidate in self._lowered:
+                    key = candidate
+                    break
         except TypeError:
             check_hashable(static, lambda: [repr(s) for s in static])
             bad = [
@@ -174,14 +190,23 @@ class Jitted:
         return key, leaves, treedef, static, compiled, leaf_keys
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        """A jitted method binds its instance as a function does (`self` is the first argument: static, as an
-        object that is not a tensor, or name it in static_argnums)."""
-        return self if obj is None else types.MethodType(self, obj)
+        """A jitted method binds its instance as the function it wraps would (`self` is the first argument: static,
+        as an object that is not a tensor, or name it in static_argnums). A jitted partial, builtin or callable
+        object is not bound, as Python binds none of them."""
+        if obj is None or not isinstance(self.fn, types.FunctionType):
+            return self
+        return types.MethodType(self, obj)
 
     def __reduce__(self) -> str:
         # Pickled by reference, as the function it decorates is (a module-level `@pf.jit def f`); its compiled
-        # programs are not picklable state. copy.copy / copy.deepcopy return it as they return a function.
-        return self.__qualname__
+        # programs are not picklable state.
+        name = getattr(self, "__qualname__", None)
+        if name is None:
+            raise pickle.PicklingError(f"pf.jit({self.name}) cannot be pickled: it wraps no named function")
+        return name
+
+    def __copy__(self) -> Jitted:
+        return self  # as for a function
 
     def __deepcopy__(self, memo: dict) -> Jitted:
         return self  # as for a function: an object holding a step (a trainer) deep-copies its state, not its code
@@ -189,7 +214,7 @@ class Jitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if get_proxy_mode() is not None:  # called from a step another pf.jit is tracing: inlined, as in jax.jit
             return self.fn(*args, **kwargs)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if torch._C._functorch.peek_interpreter_stack() is not None and _any_functorch_wrapped((args, kwargs)):
             raise TracingError(
                 f"{self.name}: a pf.jit-ed function called under a pf.vmap / torch.func transform applied from "
                 "outside (pf.vmap(pf.jit(f))): its compiled program cannot be batched or differentiated by it. Put the "
@@ -218,7 +243,7 @@ class Jitted:
             )
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
-            key = self._with_current_modes(key)  # the trace may have met modules: their modes are keyed from now on
+            key = _watched_key(key, lowered)  # keyed by the modes of the modules the trace called
             refuse_donating_captured(lowered._program, leaves)  # before Inductor compiles it (AOTAutograd fails)
             compiled = lowered.compile()
             compiled.report_unused_donations()
@@ -281,14 +306,20 @@ class Jitted:
             # Kept for a later compile (or `as_text()`): holding the arguments would keep the caller's params,
             # state and batch alive as long as this Jitted; compile() rebuilds inputs from the traced metadata.
             lowered._example_inputs = None
-            key = self._with_current_modes(key)
+            key = _watched_key(key, lowered)
             self._lowered[key] = lowered
             lowered._compiled = self._cache.get(key)
         return lowered
 
-    def _with_current_modes(self, key: tuple) -> tuple:
-        """`key` with the modes of every module watched now (a trace adds the modules it called)."""
-        return key[:5] + (self._modules.modes(),)
+    def _watch(self, key: tuple, recording: Recording) -> ModuleWatch:
+        """The watch of a trace that called these modules: the signature's existing one for the same modules."""
+        watch = ModuleWatch(recording)
+        watches = self._watches.setdefault(key[:6], [])
+        for known in watches:
+            if known.ids == watch.ids:
+                return known
+        watches.append(watch)
+        return watch
 
     def exchange_decision(self) -> Any:
         """The exchange guard's decision (`pf.compress.ExchangeDecision`) for the signature compiled last that has
@@ -326,7 +357,11 @@ class Jitted:
             was, now = next(((a, b) for a, b in zip(old_key[4], key[4]) if a != b), (old_key[4], key[4]))
             reasons.append(f"the key order or type of a dict among the arguments changed: {was} -> {now}")
         if not reasons and old_key[5] != key[5]:
-            reasons.append(self._modules.describe_change(old_key[5], key[5]) or "the modes of modules changed")
+            reasons.append(f"the train / eval mode of a module given as a static argument changed: {old_key[5]} -> "
+                           f"{key[5]}")
+        if not reasons and old_key[:6] == key[:6]:
+            old_watch, old_modes = old_key[6]
+            reasons.append(old_watch.describe_change(old_modes, old_watch.modes()) or "the modes of modules changed")
         if not reasons:
             changes = "; ".join(leaf_key_changes(labels, old_key[3], key[3])[:5]) or "none found"
             reasons.append(f"a leaf's signature changed (strides, device or mesh): {changes}")
@@ -448,7 +483,7 @@ class Jitted:
         # The lock covers lowering() too: its preserve_node_meta flag is process-global, and a virtual mesh's rank
         # threads leaving it mid-trace of another rank would drop that rank's node meta (reasons, remat regions).
         if _reference is None:
-            with capture.TRACE_LOCK, lower.lowering(), recording_called_modules() as called_modules:
+            with capture.TRACE_LOCK, lower.lowering(), recording_called_modules() as recording:
                 try:
                     gm = capture.trace(flat_fn, example_inputs, self.name)
                 except DataDependentControlFlowError as exc:
@@ -460,7 +495,7 @@ class Jitted:
                         "(a new value does not retrace), so using one as a size, slice bound, range() or "
                         "condition is such a read: make it static (static_argnums / static_argnames)."
                     ) from None
-            self._modules.watch(called_modules)
+            watch = self._watch(key, recording)
         else:
             gm = _reference[0]
             out_info.update(_reference[1])
@@ -560,8 +595,9 @@ class Jitted:
         if _reference is not None:
             lowered._example_inputs = None  # compiled on the guard's second call: do not keep the first batch alive
             return lowered
+        lowered._watch = watch
         if _first_rank():  # a virtual mesh's rank threads trace alike: counted (and explained) once
-            self._seen.append((treedef, labels, descriptions, self._with_current_modes(key)))
+            self._seen.append((treedef, labels, descriptions, _watched_key(key, lowered)))
         if guard is not None:
             reference = self._lower_from(leaves, treedef, static, key, (untouched, out_info, guard.reference))
             mesh = next((meta.device_mesh for meta in dtensor_in.values()), None)
@@ -612,6 +648,20 @@ def _budget_fraction(memory_budget: Any) -> float | None:
     if not 0.0 <= fraction <= 1.0:  # NaN fails this too
         raise ValueError(f"pf.jit: memory_budget must be in [0, 1] or None, got {fraction}")
     return fraction
+
+
+def _any_functorch_wrapped(x: Any) -> bool:
+    """Any tensor batched or differentiated by a torch.func transform applied around the call."""
+    return any(
+        isinstance(leaf, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(leaf)
+        for leaf in tree.leaves(x)
+    )
+
+
+def _watched_key(key: tuple, lowered: Lowered) -> tuple:
+    """`key` with the modes of the modules `lowered`'s trace called, as they are now (as it was traced)."""
+    watch = lowered._watch
+    return key[:6] + ((watch, watch.modes()),)
 
 
 def _name_of(fn: Any) -> str:

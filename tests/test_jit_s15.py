@@ -221,3 +221,63 @@ def test_distribution_validation_names_validate_args() -> None:
     got = pf.jit(lambda p, x: torch.distributions.Categorical(logits=x @ p["w"], validate_args=False).entropy().mean(),
                  backend="eager")({"w": torch.ones(4, 3)}, torch.ones(5, 4) / 4)
     torch.testing.assert_close(got, want)
+
+
+def test_a_jitted_forward_reading_self_training_retraces_on_eval() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        @functools.partial(pf.jit, backend="eager")
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.dropout(x @ self.w, 0.5, self.training)
+
+    torch.manual_seed(0)
+    m, x = Block(), torch.randn(3, 4)
+    with torch.no_grad():
+        m(x)
+        m.eval()
+        torch.testing.assert_close(m(x), x @ m.w)
+
+
+def test_modules_made_or_set_by_the_step_do_not_retrace() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+
+    def fresh_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss()(model(x), y)  # a module made at every trace
+
+    def set_mode(x: torch.Tensor, train: bool) -> torch.Tensor:
+        model.train(train)  # the step sets the mode from a static flag
+        return model(x)
+
+    fresh = pf.jit(fresh_loss, backend="eager")
+    for n in (8, 5, 8, 5, 8, 5):
+        fresh(torch.randn(n, 4), torch.randint(0, 2, (n,)))
+    assert fresh.trace_count() == 2
+    by_flag = pf.jit(set_mode, static_argnames=("train",), backend="eager")
+    x = torch.randn(3, 4)
+    for i in range(6):
+        by_flag(x, train=i % 2 == 0)
+    assert by_flag.trace_count() == 2
+    torch.testing.assert_close(by_flag(x, train=False), model.eval()(x))
+
+
+def test_non_functions_are_not_bound_and_copy_as_themselves() -> None:
+    class Holder:
+        scaled = pf.jit(functools.partial(torch.mul, 2.0), backend="eager")
+        neg = pf.jit(torch.neg, backend="eager")
+
+    x = torch.ones(2)
+    torch.testing.assert_close(Holder().scaled(x), 2 * x)
+    torch.testing.assert_close(Holder().neg(x), -x)
+    assert copy.copy(Holder.scaled) is Holder.scaled
+    with pytest.raises(pickle.PicklingError, match="wraps no named function"):
+        pickle.dumps(Holder.scaled)
+
+
+def test_a_jitted_helper_on_unbatched_values_inside_vmap_runs() -> None:
+    table = torch.randn(3)
+    helper = pf.jit(lambda t, o: t * o, backend="eager")
+    got = torch.func.vmap(lambda x: (x * helper(table, torch.ones(3))).sum())(torch.ones(4, 3))
+    torch.testing.assert_close(got, torch.full((4,), float(table.sum())))

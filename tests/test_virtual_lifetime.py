@@ -11,6 +11,7 @@ import torch
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import VIRTUAL_RANK_THREADS_CAN_END
 from pt3func.errors import ShardingError
 from pt3func.runtime.virtual import VirtualArray
 
@@ -110,9 +111,10 @@ def test_dropped_mesh_stops_its_threads_and_frees_its_values():
     gc.collect()
     assert mesh_ref() is None
     assert all(r() is None for r in local_refs)
-    for t in threads:
-        t.join(20)
-    assert not any(t.is_alive() for t in threads)
+    if VIRTUAL_RANK_THREADS_CAN_END:
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
     # The next mesh (in a process whose dropped worlds left) computes as before.
     mesh = _virtual_mesh()
     x = pf.device_put(w_full, pf.NamedSharding(mesh, P("dp")))
@@ -130,9 +132,10 @@ def test_dropped_mesh_leaves_a_live_mesh_working():
     del drop, mesh
     step = None  # its compiled programs hold the meshes they run on
     gc.collect()
-    for t in threads:
-        t.join(20)
-    assert not any(t.is_alive() for t in threads)
+    if VIRTUAL_RANK_THREADS_CAN_END:
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
     step = pf.jit(lambda w, x: (x @ w).sum(0), in_shardings=(P(), P("dp")), backend="eager")
     w = pf.device_put(w_full, pf.NamedSharding(keep, P()))
     torch.testing.assert_close(pf.device_get(step(w, x)), (x @ w_full).sum(0), rtol=1e-5, atol=1e-5)

@@ -160,6 +160,10 @@ _ENDING: set[threading.Thread] = set()
 
 def _stop(jobs: list[queue.Queue], threads: list[threading.Thread]) -> None:
     """The finalizer of a dropped VirtualWorld: every rank thread ends (it holds nothing of the world but these)."""
+    from pt3func._compat import VIRTUAL_RANK_THREADS_CAN_END
+
+    if not VIRTUAL_RANK_THREADS_CAN_END:
+        return
     _ENDING.update(t for t in threads if t.is_alive())
     for q in jobs:
         q.put(None)

@@ -5,9 +5,11 @@ keeps that choice. `pf.functionalize`'s `apply` runs "in the module's current mo
 `.eval()` is how PyTorch users switch, so a jitted step must trace again when the mode of a module it called
 changes, as eager PyTorch would change its behaviour, and keep both programs (training and validation alternate).
 
-While a trace runs (in its thread), a global forward pre-hook records every module called through `__call__`; the
-`Jitted` keeps weak references to them and adds their modes to each call's signature. A step that reads
-`module.training` without calling the module is not seen (pass such a flag as a static argument).
+While a trace runs (in its thread), a global forward pre-hook records every module called through `__call__`; each
+signature keeps weak references to the modules its own trace called (`ModuleWatch`), and a call matches that
+signature's program only while their modes are the ones it was traced with (a guard, as Dynamo's). Modules given
+as static arguments (a jitted method's `self`) key the signature by their mode too. A step that reads
+`module.training` of a module it neither calls nor takes as a static argument is not seen.
 """
 
 from __future__ import annotations
@@ -24,11 +26,22 @@ _local = threading.local()
 _lock = threading.Lock()
 _recorders = 0
 _hook: Any = None
+_original_train = nn.Module.train
+
+
+class Recording:
+    """What a trace did with modules: those it called (by id: the module and its mode at its first call), and the
+    ids of those whose mode it set itself (`model.train(flag)` / `.eval()` inside the step)."""
+
+    def __init__(self) -> None:
+        self.called: dict[int, tuple[nn.Module, bool]] = {}
+        self.set_by_step: set[int] = set()
 
 
 @contextlib.contextmanager
-def recording_called_modules() -> Iterator[dict[int, nn.Module]]:
-    """Yield a dict that collects (by id) the modules called in this thread while the context is active.
+def recording_called_modules() -> Iterator[Recording]:
+    """Yield a `Recording` of the modules called, and those whose mode was set, in this thread while the context is
+    active.
 
     The global hook is installed only while some thread records: an installed global hook sends every module call
     in the process down `nn.Module`'s slow path."""
@@ -36,48 +49,53 @@ def recording_called_modules() -> Iterator[dict[int, nn.Module]]:
     with _lock:
         if _recorders == 0:
             _hook = nn.modules.module.register_module_forward_pre_hook(_record)
+            nn.Module.train = _train  # type: ignore[method-assign]
         _recorders += 1
-    previous = getattr(_local, "modules", None)
-    found: dict[int, nn.Module] = {}
-    _local.modules = found
+    previous = getattr(_local, "recording", None)
+    recording = Recording()
+    _local.recording = recording
     try:
-        yield found
+        yield recording
     finally:
-        _local.modules = previous
-        if previous is not None:  # a nested trace (pf.jit inlined in another's trace): the outer one calls these too
-            previous.update(found)
+        _local.recording = previous
+        if previous is not None:  # a nested trace (pf.jit inlined in another's trace): the outer one did this too
+            for k, v in recording.called.items():
+                previous.called.setdefault(k, v)
+            previous.set_by_step |= recording.set_by_step
         with _lock:
             _recorders -= 1
             if _recorders == 0:
                 _hook.remove()
                 _hook = None
+                nn.Module.train = _original_train  # type: ignore[method-assign]
 
 
 def _record(module: nn.Module, _args: Any) -> None:
-    found = getattr(_local, "modules", None)
-    if found is not None:
-        found.setdefault(id(module), module)
+    recording = getattr(_local, "recording", None)
+    if recording is not None and id(module) not in recording.called:
+        recording.called[id(module)] = (module, module.training)
 
 
-class ModuleModes:
-    """The modules a jitted function's traces called (weakly held) and, per call, their modes as a tuple."""
+def _train(self: nn.Module, mode: bool = True) -> nn.Module:
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.set_by_step.add(id(self))
+    return _original_train(self, mode)
 
-    def __init__(self) -> None:
-        self._refs: list[weakref.ref] = []
-        self._names: list[str] = []
-        self._by_id: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()  # a virtual mesh's rank threads trace, and add what they met, at once
 
-    def watch(self, modules: dict[int, nn.Module]) -> None:
-        """Add these modules (the signature then has an entry for each new one)."""
-        with self._lock:
-            for module in modules.values():
-                known = self._by_id.get(id(module))
-                if known is not None and known() is module:
-                    continue
-                ref = self._by_id[id(module)] = weakref.ref(module)
-                self._refs.append(ref)
-                self._names.append(type(module).__name__)
+class ModuleWatch:
+    """The modules one trace called whose mode decides its program, weakly held: a signature's guard.
+
+    Left out: modules the trace set the mode of itself (`model.train(flag)` inside the step: the step decides, a
+    static flag keys it) and modules made inside the step (they die after the trace; a dead module reads None)."""
+
+    def __init__(self, recording: Recording | None = None) -> None:
+        called = recording.called.values() if recording is not None else ()
+        skip = recording.set_by_step if recording is not None else set()
+        kept = [module for module, first in called if id(module) not in skip and module.training == first]
+        self._refs = [weakref.ref(m) for m in kept]
+        self.names = [type(m).__name__ for m in kept]
+        self.ids = frozenset(id(m) for m in kept)
 
     def modes(self) -> tuple:
         """Each watched module's `training` flag (None once it is gone); () when none is watched."""
@@ -87,13 +105,26 @@ class ModuleModes:
 
     def describe_change(self, old: tuple, new: tuple) -> str | None:
         """The modules whose modes differ between two `modes()` tuples, in words; None if none differs."""
-        changed = [(name, a, b) for name, a, b in zip(self._names, old, new) if a != b]
+        changed = [(name, a, b) for name, a, b in zip(self.names, old, new) if a != b]
         if not changed:
             return None
         names = list(dict.fromkeys(name for name, _, _ in changed))
         kinds = "; ".join(sorted({f"{_mode(a)} -> {_mode(b)}" for _, a, b in changed}))
         more = f" and {len(names) - 4} more" if len(names) > 4 else ""
         return f"the mode of modules the step calls changed ({', '.join(names[:4])}{more}): {kinds}"
+
+
+NO_WATCH = ModuleWatch()
+
+
+def static_module_modes(static: tuple) -> tuple:
+    """The modes of modules given as static arguments (`static_argnums` naming a module): a forward that reads
+    `self.training` (`F.dropout(x, p, self.training)`) calls no module the trace could see. (A module passed as
+    an ordinary argument is a static leaf: `trace.signature.leaf_key` keys it by its mode.)"""
+    static_pos, static_kw = static
+    if not static_pos and not static_kw:
+        return ()
+    return tuple(v.training for _, v in (*static_pos, *static_kw) if isinstance(v, nn.Module))
 
 
 def _mode(training: bool | None) -> str:

@@ -182,6 +182,8 @@ def leaf_key(leaf: Any) -> Any:
         return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)
+    if isinstance(leaf, torch.nn.Module):  # a jitted method's `self`: what it reads of itself includes its mode
+        return ("static", leaf, leaf.training)
     return ("static", leaf)
 
 
@@ -224,6 +226,8 @@ def describe_key(k: Any, strides: bool = False) -> str:
         return text + (f" strides={layout}" if strides else "")
     if isinstance(k, tuple) and len(k) == 2 and k[0] == "static":
         return f"static {k[1]!r}"
+    if isinstance(k, tuple) and len(k) == 3 and k[0] == "static":  # a module, with its mode
+        return f"{type(k[1]).__name__} in {'train' if k[2] else 'eval'} mode"
     if isinstance(k, type):
         return f"Python {k.__name__} (traced)"
     return repr(k)
