@@ -33,6 +33,11 @@ DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN = TORCH_VERSION < (2, 13)
 # threads' process groups). There a dropped mesh's threads stay, idle, holding nothing of it; 2.13 ends them.
 VIRTUAL_RANK_THREADS_CAN_END = TORCH_VERSION >= (2, 13)
 
+# torch 2.11's FX cannot record a torch.Generator argument ("NotImplementedError: argument of type: <class
+# 'torch._C.Generator'>"): random ops given generator= fail to trace there (exponential_ / geometric_ / cauchy_ /
+# log_normal_ excepted: pt3func traces them as its own fill op).
+FX_RECORDS_GENERATORS = TORCH_VERSION >= (2, 13)
+
 
 def outside_functorch_levels() -> contextlib.AbstractContextManager:
     """A block run outside torch.func's transforms (vmap, grad): torch's private

@@ -23,6 +23,7 @@ from dist import run_world
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import FX_RECORDS_GENERATORS
 from pt3func.errors import ImpureFunctionError
 
 
@@ -96,6 +97,7 @@ def test_fills_with_a_generator_trace_and_draw_what_eager_draws(name):
     assert torch.equal(g.get_state(), eager.get_state())
 
 
+@pytest.mark.skipif(not FX_RECORDS_GENERATORS, reason="torch 2.11's FX cannot record a Generator argument")
 def test_bernoulli_with_a_generator_compiles_with_inductor():
     # Inductor's bernoulli_ lowering takes no generator (a LoweringException).
     def f(x, g):
@@ -124,13 +126,14 @@ def _split_checks(rank: int, world: int) -> dict:
     def noisy(x):
         return x + torch.randn_like(x, generator=gen) + torch.rand_like(x, generator=gen)
 
-    gen.manual_seed(9)
-    torch.manual_seed(5)
-    want, global_state = noisy(x), torch.get_rng_state()
-    gen.manual_seed(9)
-    torch.manual_seed(5)
-    out["generator"] = (_sharded(noisy, (P("dp"),), x), want)
-    out["generator_global_untouched"] = torch.equal(torch.get_rng_state(), global_state)
+    if FX_RECORDS_GENERATORS:
+        gen.manual_seed(9)
+        torch.manual_seed(5)
+        want, global_state = noisy(x), torch.get_rng_state()
+        gen.manual_seed(9)
+        torch.manual_seed(5)
+        out["generator"] = (_sharded(noisy, (P("dp"),), x), want)
+        out["generator_global_untouched"] = torch.equal(torch.get_rng_state(), global_state)
 
     # A non-contiguous split value: eager fills in its memory order (column by column for x.t()).
     def transposed(x):
@@ -215,6 +218,8 @@ def _close(got, want) -> bool:
 
 @pytest.mark.parametrize("case", ["generator", "transposed", "torch_dropouts", "strided", "partial", "vmap"])
 def test_split_values_draw_what_one_device_draws(ranks, case):
+    if case == "generator" and not FX_RECORDS_GENERATORS:
+        pytest.skip("torch 2.11's FX cannot record a Generator argument")
     for rank, results in enumerate(ranks):
         got, want = results[case]
         assert _close(got, want), f"{case} rank {rank}"
@@ -222,7 +227,8 @@ def test_split_values_draw_what_one_device_draws(ranks, case):
 
 def test_split_draws_advance_the_generators_as_one_device(ranks):
     for results in ranks:
-        assert results["generator_global_untouched"] and results["strided_state"] and results["vmap_state"]
+        assert results.get("generator_global_untouched", not FX_RECORDS_GENERATORS)
+        assert results["strided_state"] and results["vmap_state"]
 
 
 def test_dropouts_not_redrawn_warn(ranks):
