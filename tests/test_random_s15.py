@@ -23,7 +23,7 @@ from dist import run_world
 
 import pt3func as pf
 from pt3func import P
-from pt3func._compat import FX_RECORDS_GENERATORS
+from pt3func._compat import FX_RECORDS_GENERATORS, TORCH_VERSION
 from pt3func.errors import ImpureFunctionError
 
 
@@ -167,12 +167,13 @@ def _split_checks(rank: int, world: int) -> dict:
         h = x.reshape(16, 4)
         return F.dropout(h, 0.5) + torch.rand_like(h)
 
-    ones = torch.ones(2, 8, 4)
-    torch.manual_seed(5)
-    want, state = flattened(ones), torch.get_rng_state()
-    torch.manual_seed(5)
-    out["strided"] = (_sharded(flattened, (P(None, "dp"),), ones), want)
-    out["strided_state"] = torch.equal(torch.get_rng_state(), state)
+    if TORCH_VERSION >= (2, 13):  # 2.11's DTensor cannot flatten a split dim 1 (README, Known limits)
+        ones = torch.ones(2, 8, 4)
+        torch.manual_seed(5)
+        want, state = flattened(ones), torch.get_rng_state()
+        torch.manual_seed(5)
+        out["strided"] = (_sharded(flattened, (P(None, "dp"),), ones), want)
+        out["strided_state"] = torch.equal(torch.get_rng_state(), state)
 
     # Dropout of a row-parallel matmul's output (a pending sum): crashed in DTensor.
     g = torch.Generator().manual_seed(0)
@@ -220,6 +221,8 @@ def _close(got, want) -> bool:
 def test_split_values_draw_what_one_device_draws(ranks, case):
     if case == "generator" and not FX_RECORDS_GENERATORS:
         pytest.skip("torch 2.11's FX cannot record a Generator argument")
+    if case == "strided" and TORCH_VERSION < (2, 13):
+        pytest.skip("torch 2.11's DTensor cannot flatten a split dim 1")
     for rank, results in enumerate(ranks):
         got, want = results[case]
         assert _close(got, want), f"{case} rank {rank}"
@@ -228,7 +231,7 @@ def test_split_values_draw_what_one_device_draws(ranks, case):
 def test_split_draws_advance_the_generators_as_one_device(ranks):
     for results in ranks:
         assert results.get("generator_global_untouched", not FX_RECORDS_GENERATORS)
-        assert results["strided_state"] and results["vmap_state"]
+        assert results.get("strided_state", TORCH_VERSION < (2, 13)) and results["vmap_state"]
 
 
 def test_dropouts_not_redrawn_warn(ranks):
