@@ -369,16 +369,18 @@ def invalidate_donated_originals(
     from pt3func.runtime.virtual import is_virtual_leaf
     from pt3func.tree import leaves
 
+    donated = [(original, put) for original, put in replaced if is_donated(put) and not is_donated(original)]
+    if not donated:  # the common case (a placed batch is not donated): no walk over the call's arguments
+        return {}
     index: dict[int, int] = {}
     for k, leaf in enumerate(leaves(call, is_leaf=is_virtual_leaf) if call is not None else ()):
         index.setdefault(id(leaf), k)
     done: dict[int, str] = {}
-    for original, put in replaced:
-        if is_donated(put) and not is_donated(original):
-            where = getattr(put, "_pt3func_donated", "a jitted step")
-            invalidate(original, where)
-            if id(original) in index:
-                done[index[id(original)]] = where
+    for original, put in donated:
+        where = getattr(put, "_pt3func_donated", "a jitted step")
+        invalidate(original, where)
+        if id(original) in index:
+            done[index[id(original)]] = where
     return done
 
 
