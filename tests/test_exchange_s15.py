@@ -116,17 +116,22 @@ def _computed_leaves_step():
     return params, lf, step
 
 
-def test_gradients_of_values_computed_in_the_step_are_each_compressed_by_a_stateless_format():
+def _run_computed_leaves_step(fmt, lower: bool = False):
+    """The step of `_computed_leaves_step` on a dp=2 virtual mesh with `fmt`: (params, lf, x, y, grads, text)."""
     torch.manual_seed(0)
     params, lf, step = _computed_leaves_step()
     x, y = torch.randn(4, 8), torch.randn(4, 3)
     specs = {k: P() for k in params}
     with pf.set_mesh(pf.make_mesh((2,), ("dp",), virtual=True)):
         dp = pf.device_put(params, specs)
-        j = pf.jit(step, in_shardings=(specs, None, P("dp"), P("dp")), grad_exchange=C.bf16(), backend="eager")
-        text = j.lower(dp, C.bf16().init(dp), x, y).as_text()
-        grads, _ = j(dp, C.bf16().init(dp), x, y)
-        grads = pf.device_get(grads)
+        j = pf.jit(step, in_shardings=(specs, None, P("dp"), P("dp")), grad_exchange=fmt, backend="eager")
+        text = j.lower(dp, fmt.init(dp), x, y).as_text() if lower else None
+        grads, _ = j(dp, fmt.init(dp), x, y)
+        return params, lf, x, y, pf.device_get(grads), text
+
+
+def test_gradients_of_values_computed_in_the_step_are_each_compressed_by_a_stateless_format():
+    params, lf, x, y, grads, text = _run_computed_leaves_step(C.bf16(), lower=True)
     reductions = [line for line in text.splitlines() if "COLLECTIVE" in line and "grad of" in line]
     # Both leaves compressed (before, only the first: the second went over in fp64, unnoticed).
     assert reductions and all("bf16" in line for line in reductions), reductions
@@ -136,15 +141,8 @@ def test_gradients_of_values_computed_in_the_step_are_each_compressed_by_a_state
 
 
 def test_gradients_of_values_computed_in_the_step_cannot_keep_state():
-    torch.manual_seed(0)
-    params, _, step = _computed_leaves_step()
-    x, y = torch.randn(4, 8), torch.randn(4, 3)
-    specs = {k: P() for k in params}
-    with pf.set_mesh(pf.make_mesh((2,), ("dp",), virtual=True)):
-        dp = pf.device_put(params, specs)
-        j = pf.jit(step, in_shardings=(specs, None, P("dp"), P("dp")), grad_exchange=C.int8(), backend="eager")
-        with pytest.raises(grad_exchange.GradExchangeError, match="computed inside the step") as info:
-            j(dp, C.int8().init(dp), x, y)
+    with pytest.raises(grad_exchange.GradExchangeError, match="computed inside the step") as info:
+        _run_computed_leaves_step(C.int8())
     assert "Differentiate the step's arguments" in str(info.value)
     assert "[6, 3]" in str(info.value) or "[8, 6]" in str(info.value)
 

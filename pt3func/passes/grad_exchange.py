@@ -295,13 +295,13 @@ def _flag_groups(reductions: list[tuple[str, str]]) -> list[str]:
 
 def _live_meshes() -> list[tuple[Any, dict[str, tuple[str, ...]]]]:
     """Each mesh of this process's (this rank thread's) world, with its groups' names -> the axes they span."""
-    from pt3func.sharding import mesh as mesh_module
+    from pt3func.sharding.mesh import known_meshes
 
     if not dist.is_initialized():
         return []
     world = dist.group.WORLD
     out = []
-    for mesh in {id(m): m for m in [*mesh_module._MESHES.values(), *mesh_module._MAKE_MESH_CACHE.values()]}.values():
+    for mesh in known_meshes():
         if getattr(mesh, "_world", None) is not world:
             continue  # another world's mesh (an earlier virtual mesh), or a virtual mesh's host-side handle
         try:

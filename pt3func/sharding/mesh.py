@@ -121,6 +121,11 @@ _MESHES: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()
 _MAKE_MESH_CACHE: dict[tuple, Mesh] = {}
 
 
+def known_meshes() -> list[Mesh]:
+    """Every Mesh alive in this process (made by `make_mesh` or wrapping a DeviceMesh), each once."""
+    return list({id(m): m for m in [*_MESHES.values(), *_MAKE_MESH_CACHE.values()]}.values())
+
+
 def mesh_of(device_mesh: DeviceMesh) -> Mesh:
     """The `Mesh` wrapping `device_mesh` (the one `make_mesh` built, or a new wrapper for a foreign one)."""
     mesh = _MESHES.get(id(device_mesh))
