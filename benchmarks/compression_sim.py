@@ -35,6 +35,7 @@ benchmarks"):
 - `--flush N`: every N-th compressed step is dense and also sends every rank's residual (error feedback
   flushed); `--lr-compressed X`: the learning rate times X once compression starts; `--b1`, `--b2`, `--eps`:
   Adam's (session 12; `results/compression_sim_session12.json`).
+- `--warm-q 1`: PowerSGD's Q power-iterated on the exact mean during the dense steps (session 16).
 - `--rank-for 'RE=R;RE=R'` / `--rank-schedule 'STEP:X,...'`: PowerSGD's rank per leaf, and scaled over time
   (Accordion, Agarwal et al. 2021), to spend rank 4's bytes unevenly (session 13;
   `results/compression_sim_session13.json`). Each result carries `sent_fraction`: elements a rank sends per step
@@ -73,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--ratio", type=float, default=0.01, help="top-k: kept fraction per rank and leaf")
     add("--rank", type=int, default=4, help="powersgd: rank")
     add("--iters", type=int, default=1, help="powersgd: power iterations per step")
+    add("--warm-q", type=int, default=0,
+        help="powersgd: during the dense steps, power-iterate Q on the exchanged mean (no bytes: every rank has it), "
+             "so compression starts from the gradient's leading directions instead of a random Q")
     add("--dense", type=int, default=0, help="uncompressed first steps")
     add("--ramp", type=int, default=0, help="top-k: DGC's sparsity warm-up (25%%, 6.25%%, ...) over this many steps")
     add("--ef", type=int, default=1, help="error feedback (0: off)")
@@ -331,6 +335,9 @@ class Sim:
                 diffs = [self.local_mom[r][i] - self.estimate[r][i] for r in range(world)]
             elif t < a.dense:
                 out.append(sum(g) / world)
+                if a.warm_q and a.fmt == "powersgd":
+                    rows, cols = self.matrix(i)
+                    self.powersgd(i, [out[-1].reshape(rows, cols)])
                 continue
             else:
                 diffs = [g[r] + (self.residual[r][i] if a.ef else 0) for r in range(world)]
