@@ -32,7 +32,7 @@ def flatten(tree: PyTree) -> tuple[dict[str, Any], Any]:
             raise CheckpointError(f"two leaves of the tree share the checkpoint key {key!r} (a dict key holding "
                                   f"'/', or both 1 and '1' as keys); rename one")
         flat[key] = leaf
-    return flat, _encode(spec, ())
+    return flat, _encode(spec, (), tree)
 
 
 def keys_and_spec(tree: PyTree) -> tuple[list[str], optree.PyTreeSpec]:
@@ -45,7 +45,17 @@ def _type_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _encode(spec: optree.PyTreeSpec, path: tuple[str, ...]) -> Any:
+def _child_nodes(node: Any, kind: optree.PyTreeKind, entries: list[Any]) -> list[Any]:
+    """The subtrees of `node` in the treespec's order (None where they cannot be read: custom nodes)."""
+    if kind in DICT_KINDS and isinstance(node, dict):
+        return [node[e] for e in entries]
+    if kind in (optree.PyTreeKind.LIST, optree.PyTreeKind.TUPLE, optree.PyTreeKind.NAMEDTUPLE) and node is not None:
+        return list(node)
+    return [None] * len(entries)
+
+
+def _encode(spec: optree.PyTreeSpec, path: tuple[str, ...], node: Any = None) -> Any:
+    """`spec` as JSON; `node`, the tree `spec` describes (where known), gives dicts their insertion order."""
     kind = spec.kind
     if kind == optree.PyTreeKind.LEAF:
         return "/".join(path) or ROOT_KEY
@@ -53,7 +63,8 @@ def _encode(spec: optree.PyTreeSpec, path: tuple[str, ...]) -> Any:
         return None
     entries = spec.entries()
     names = list(spec.type._fields) if kind == optree.PyTreeKind.NAMEDTUPLE else [str(e) for e in entries]
-    children = [_encode(child, (*path, name)) for child, name in zip(spec.children(), names)]
+    children = [_encode(child, (*path, name), sub)
+                for child, name, sub in zip(spec.children(), names, _child_nodes(node, kind, entries))]
     if kind in DICT_KINDS:
         for key, name in zip(entries, names):
             if not _json_key(key):
@@ -63,7 +74,13 @@ def _encode(spec: optree.PyTreeSpec, path: tuple[str, ...]) -> Any:
                     f"checkpoint's manifest (JSON) cannot hold; use str, int, float, bool, None or tuples of "
                     f"them as keys (e.g. {str(key)!r})"
                 )
-        return {"dict": [[key, child] for key, child in zip(entries, children)]}
+        pairs = list(zip(entries, children))
+        if isinstance(node, dict) and len(node) == len(pairs):
+            # optree lists a dict's keys sorted; restore() without a target must give back the saved order (a
+            # jitted step keys its programs by it, and code iterating the dict sees it).
+            by_key = dict(pairs)
+            pairs = [(key, by_key[key]) for key in node]
+        return {"dict": [[key, child] for key, child in pairs]}
     if kind == optree.PyTreeKind.LIST:
         return {"list": children}
     if kind == optree.PyTreeKind.TUPLE:

@@ -85,6 +85,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(fn(params) for fn in init_fns)
 
     def update_fn(updates, state, params=None):
+        if params is not None:
+            check_shapes_match(updates, params)
         if len(state) != len(update_fns):
             raise ValueError(
                 f"chain of {len(update_fns)} transformations got a state of {len(state)} parts; "
@@ -99,6 +101,23 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
+def check_shapes_match(updates: PyTree, params: PyTree) -> None:
+    """Raise naming the first leaf whose update (gradient) has another shape than its parameter.
+
+    A broadcastable mismatch (a (4, 4) gradient for a (4,) parameter) would otherwise reshape the parameter and
+    the optimizer state silently. Trees of other structures are left to the transformations (a state may be
+    built from more leaves than are updated)."""
+    u_leaves, u_spec = pftree.flatten(updates)
+    p_leaves, p_spec = pftree.flatten(params)
+    if u_spec != p_spec:
+        return
+    for i, (u, p) in enumerate(zip(u_leaves, p_leaves)):
+        if isinstance(u, torch.Tensor) and isinstance(p, torch.Tensor) and u.shape != p.shape:
+            path = pftree.keystr(pftree.paths(params)[i])
+            raise ValueError(f"optimizer update: the gradient at {path or '<root>'} has shape {tuple(u.shape)}, its "
+                             f"parameter {tuple(p.shape)}; the gradients must have the parameters' shapes")
+
+
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """Return `params + updates`, leaf by leaf, each result in the dtype of its parameter.
 
@@ -109,6 +128,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     Returns:
         The new parameters (new tensors; `params` is not modified).
     """
+    check_shapes_match(updates, params)
     return pftree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -38,6 +39,16 @@ def is_stdlib_file(filename: str) -> bool:
 
 def is_user_file(filename: str) -> bool:
     """True unless `filename` belongs to torch, pt3func or the interpreter's own machinery (its standard library)."""
+    # Asked for ~30 frames of every traced op (~8% of a trace's time): absolute names are answered once.
+    return _is_user_path(filename) if os.path.isabs(filename) else _is_user_file(filename)
+
+
+@functools.lru_cache(maxsize=8192)
+def _is_user_path(filename: str) -> bool:
+    return _is_user_file(filename)
+
+
+def _is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
         return False
