@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 def _disabled_from_env() -> frozenset[str]:
@@ -99,6 +101,18 @@ class Config:
     that draws random numbers twice or more is always compiled without it: the pass can swap two draws (seen on
     an H200), and each would read the other's numbers from the generator. Also read from
     PT3FUNC_INDUCTOR_REORDER_FOR_LOCALITY ("0": off); applies to programs compiled after it is set."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A misspelt switch (`config.explain_cache_miss = True`) would otherwise be a new attribute that nothing
+        # reads: the setting silently does nothing.
+        if name not in _FIELDS:
+            close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(sorted(_FIELDS))}"
+            raise AttributeError(f"pf.config has no setting {name!r}{hint}")
+        object.__setattr__(self, name, value)
+
+
+_FIELDS = frozenset(f.name for f in fields(Config))
 
 
 config = Config()

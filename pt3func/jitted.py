@@ -43,6 +43,8 @@ from pt3func.runtime.backend import BACKENDS
 from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, mesh_of_shardings, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
+from pt3func.sharding.mesh import get_mesh
+from pt3func.sharding.spec import NamedSharding, PartitionSpec
 from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
@@ -112,6 +114,9 @@ class Jitted:
         self.memory_budget = memory_budget
         self.backend = backend
         self.cuda_graphs = bool(cuda_graphs)
+        # Bare PartitionSpecs in the shardings resolve through the current mesh (`pf.set_mesh`) when the step is
+        # traced: that mesh is then part of the signature (a step called again under another mesh reused the first).
+        self._reads_current_mesh = _has_bare_spec(in_shardings) or _has_bare_spec(out_shardings)
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
@@ -133,6 +138,8 @@ class Jitted:
     ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
         dynamic, static = split_static(self._spec, args, kwargs)
         types = static_types(static)
+        if self._reads_current_mesh:  # by identity, as a DTensor leaf's mesh: the last entry of `types`
+            types += (("mesh", get_mesh()),)
         # The key order and type of every dict among the arguments: a step may iterate a dict, and a treedef
         # compares dicts by their sorted keys (a program traced for {"b", "a"} ran for {"a", "b"}).
         # Keyword arguments bound to named parameters are order-free (`f(a=x, b=y)` then `f(b=y, a=x)` retraced);
@@ -244,9 +251,7 @@ class Jitted:
         if compiled is None:
             lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
             key = _watched_key(key, lowered)  # keyed by the modes of the modules the trace called
-            refuse_donating_captured(lowered._program, leaves)  # before Inductor compiles it (AOTAutograd fails)
-            compiled = lowered.compile()
-            compiled.report_unused_donations()
+            compiled = self._compile(lowered, leaves, key)
             self._cache[key] = compiled
             if torch.is_grad_enabled() and _any_requires_grad(leaves):
                 warnings.warn(
@@ -276,6 +281,26 @@ class Jitted:
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
 
+    def _compile(self, lowered: Lowered, leaves: list[Any], key: tuple) -> Compiled:
+        """Compile a call's trace. Where that raises (Ctrl-C in Inductor's compile, strict_donation refusing an
+        unused donation), the trace is kept for the signature's next call: tracing it again counted a second cache
+        miss for a signature that never changed."""
+        program = lowered._program
+        # The compile rewrites the graph in place (the backend's passes): an interrupted one may leave it half done,
+        # so the next call compiles a copy taken before.
+        pristine = _snapshot(program) if lowered._compiled is None else None
+        try:
+            refuse_donating_captured(program, leaves)  # before Inductor compiles it (AOTAutograd fails)
+            compiled = lowered.compile()
+            compiled.report_unused_donations()  # a compile that succeeded is kept in `lowered` for the retry
+        except BaseException:
+            if lowered._compiled is None and pristine is not None:
+                program.graph_module, program.notes = pristine
+            lowered._example_inputs = None  # as `lower()` keeps it: the caller's tensors are not held
+            self._lowered[key] = lowered
+            raise
+        return compiled
+
     def _invalidate_replaced(self, replaced: list[tuple[torch.Tensor, torch.Tensor]], given: tuple) -> None:
         """A caller's tensor that in_shardings replaced by a placed copy is invalidated when the copy was donated;
         in a virtual rank thread (the tensor a copy of the caller's), the caller's thread is told which."""
@@ -302,7 +327,7 @@ class Jitted:
             # that text is no longer the lowered one), but that is no cache miss to explain, and `.compile()`
             # returns the program already compiled.
             called = self._cache.get(key)
-            lowered = self._lower_from(leaves, treedef, static, key, explain=called is None)
+            lowered = self._lower_from(leaves, treedef, static, key, miss=called is None)
             # Kept for a later compile (or `as_text()`): holding the arguments would keep the caller's params,
             # state and batch alive as long as this Jitted; compile() rebuilds inputs from the traced metadata.
             lowered._example_inputs = None
@@ -351,8 +376,12 @@ class Jitted:
                     reasons.append(f"{label}: {a} -> {b}")
         if not reasons and old_key[1] != static:
             reasons.append(f"static arguments changed: {old_key[1]} -> {static}")
+        if not reasons and self._reads_current_mesh and old_key[2][-1] != key[2][-1]:
+            reasons.append(f"the current mesh (pf.set_mesh), which the PartitionSpecs of in_shardings / out_shardings "
+                           f"resolve through, changed: {old_key[2][-1][1]} -> {key[2][-1][1]}")
         if not reasons and old_key[2] != key[2]:
-            reasons.append(f"the trace modes or static argument types changed: {old_key[2]} -> {key[2]}")
+            reasons.append(f"the trace modes (autocast, inference mode, default dtype) or static argument types "
+                           f"changed: {old_key[2]} -> {key[2]}")
         if not reasons and old_key[4] != key[4]:
             was, now = next(((a, b) for a, b in zip(old_key[4], key[4]) if a != b), (old_key[4], key[4]))
             reasons.append(f"the key order or type of a dict among the arguments changed: {was} -> {now}")
@@ -361,7 +390,11 @@ class Jitted:
                            f"{key[5]}")
         if not reasons and old_key[:6] == key[:6]:
             old_watch, old_modes = old_key[6]
-            reasons.append(old_watch.describe_change(old_modes, old_watch.modes()) or "the modes of modules changed")
+            reasons.append(
+                old_watch.describe_change(old_modes, old_watch.modes())
+                or "nothing in the signature changed since the last trace (arguments, static values, modes and the "
+                "modes of the modules it called are the same), but that trace left no compiled program"
+            )
         if not reasons:
             changes = "; ".join(leaf_key_changes(labels, old_key[3], key[3])[:5]) or "none found"
             reasons.append(f"a leaf's signature changed (strides, device or mesh): {changes}")
@@ -382,10 +415,11 @@ class Jitted:
 
     def _lower_from(
         self, leaves: list[Any], treedef: Any, static: tuple, key: Any, _reference: tuple | None = None,
-        explain: bool = True,
+        miss: bool = True,
     ) -> Lowered:
         """Trace and lower one signature. `_reference = (traced graph, its out_info, format)`: lower that copy of
-        the signature's trace with the exchange guard's reference format instead of `grad_exchange`."""
+        the signature's trace with the exchange guard's reference format instead of `grad_exchange`. `miss=False`:
+        a signature already compiled, traced again for `lower()`: neither explained nor counted by trace_count()."""
         spec = self._spec
         labels = leaf_labels(spec, treedef, static)
         for label, leaf in zip(labels, leaves):
@@ -395,7 +429,7 @@ class Jitted:
                     "pass the value that call returned"
                 )
         descriptions = [describe_leaf(leaf) for leaf in leaves]
-        if config.explain_cache_misses and _reference is None and explain and _first_rank():
+        if config.explain_cache_misses and _reference is None and miss and _first_rank():
             self._explain_miss(labels, descriptions, treedef, static, key)
         owner = leaf_argument(spec, treedef, static)
         donated_leaves = [
@@ -586,7 +620,9 @@ class Jitted:
             cuda_graphs=self.cuda_graphs,
             scalar_device=device,
             spec=spec,
-            key=key[:4],  # the signature `Compiled.__call__` checks (without the dicts' orders)
+            # The signature `Compiled.__call__` checks (without the dicts' orders, nor the current mesh: it places
+            # plain arguments on the mesh the step was lowered under).
+            key=(*key[:2], key[2][:-1] if self._reads_current_mesh else key[2], key[3]),
             dtensor_out=dtensor_out,
             plain_out_shardings=out_info["plain_out"],
             notes={**lower.collective_notes(gm), **remat_notes(gm)},
@@ -596,7 +632,7 @@ class Jitted:
             lowered._example_inputs = None  # compiled on the guard's second call: do not keep the first batch alive
             return lowered
         lowered._watch = watch
-        if _first_rank():  # a virtual mesh's rank threads trace alike: counted (and explained) once
+        if miss and _first_rank():  # a virtual mesh's rank threads trace alike: counted (and explained) once
             self._seen.append((treedef, labels, descriptions, _watched_key(key, lowered)))
         if guard is not None:
             reference = self._lower_from(leaves, treedef, static, key, (untouched, out_info, guard.reference))
@@ -662,6 +698,23 @@ def _watched_key(key: tuple, lowered: Lowered) -> tuple:
     """`key` with the modes of the modules `lowered`'s trace called, as they are now (as it was traced)."""
     watch = lowered._watch
     return key[:6] + ((watch, watch.modes()),)
+
+
+def _snapshot(program: Program) -> tuple[Any, dict]:
+    """A copy of `program`'s graph module and its notes (keyed by the copy's nodes, found by name)."""
+    graph_module = copy_program(program.graph_module)
+    by_name = {node.name: node for node in graph_module.graph.nodes}
+    notes = {by_name[node.name]: note for node, note in program.notes.items() if node.name in by_name}
+    return graph_module, notes
+
+
+def _has_bare_spec(shardings: Any) -> bool:
+    """Whether in_shardings / out_shardings hold a bare PartitionSpec (not a NamedSharding): one that resolves
+    through the current mesh."""
+    if shardings is None:
+        return False
+    found = tree.leaves(shardings, is_leaf=lambda x: isinstance(x, (PartitionSpec, NamedSharding)))
+    return any(isinstance(s, PartitionSpec) for s in found)
 
 
 def _name_of(fn: Any) -> str:
@@ -888,7 +941,12 @@ def jit(
 
     Works as `pf.jit(f, ...)`, `@pf.jit` and `@functools.partial(pf.jit, donate_argnums=0)`. The program
     is traced once per input signature (pytree structure, shapes, dtypes, static values) and cached.
-    Python scalars that are not static become 0-d tensor inputs, never constants baked into the program.
+    Arguments that are Python scalars (bool, int, float) are traced as 0-d tensor inputs: a new value runs the
+    same program (or, named in static_argnums / static_argnames, they are static: a new value traces again).
+    Python values the step reads from anywhere else (closures, globals, module attributes: a global learning
+    rate, `nn.Dropout.p`) are read once, when the step is traced, and become constants of the program, as in
+    `jax.jit`: a later change is not seen. Pass such a value as an argument, or make a new `pf.jit`. The one
+    exception is a module's `training` flag, which is part of the signature (`model.eval()` traces again).
     Donated arguments' buffers are reused for outputs of the same shape/dtype: the compiled program writes
     the new values into them in place, and the donated tensors become unreadable.
     `cuda_graphs=True` (CUDA inputs on one device) captures each compiled program in a CUDA graph after one

@@ -126,8 +126,8 @@ def split_call(spec: ArgSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 def static_types(static: tuple) -> tuple:
     """What else decides the program besides the leaves: the types of the static values, inside containers too
     (`2` and `2.0`, `Cfg(2)` and `Cfg(2.0)` are equal and hash alike but trace different programs), and the global
-    modes a trace reads (`torch.autocast`, `torch.inference_mode`): a program traced under autocast casts its
-    matmuls, one traced outside does not."""
+    modes a trace reads (`torch.autocast`, `torch.inference_mode`, the default dtype): a program traced under
+    autocast casts its matmuls, one traced outside does not."""
     modes = trace_modes()
     static_pos, static_kw = static
     if not static_pos and not static_kw:
@@ -143,9 +143,13 @@ def _types_of(value: Any) -> Any:
 
 
 def trace_modes() -> tuple:
-    """The global modes that change what a step traces to: autocast per device type (with its dtype) and
-    inference mode. () when none is on, the common case."""
+    """The global modes that change what a step traces to: autocast per device type (with its dtype), inference
+    mode, and `torch.set_default_dtype` where it is not float32 (`torch.ones(3)` in the step, a Python float
+    argument's 0-d tensor take it). () when none is on, the common case."""
     modes: tuple = ()
+    default_dtype = torch.get_default_dtype()
+    if default_dtype is not torch.float32:  # float32 adds nothing: the keys of existing programs stay as they were
+        modes += (("default_dtype", default_dtype),)
     for device in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device):
             modes += ((device, torch.get_autocast_dtype(device)),)
