@@ -17,6 +17,7 @@ Every collective carries the reason that produced it in `node.meta["custom"]["pt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from pt3func import analysis
-from pt3func._compat import dtensor_spec, dtensor_with_spec
+from pt3func._compat import dtensor_spec, dtensor_with_spec, is_plain_shard
 from pt3func.spmd.agreement import check_ranks_agree, multi_process_world
 from pt3func.trace.source import node_location
 
@@ -48,11 +49,19 @@ class DTensorMeta:
     placements: tuple
     shape: torch.Size
     stride: tuple[int, ...]
+    # The order in which the mesh axes split each dim, and how DTensor reads a _StridedShard (DTensorSpec's
+    # `shard_order` and `use_strided_shard_as_shard_order`): the placements alone do not say where each value
+    # is (a view's _StridedShard means a strided split, the same placements rebuilt mean a shard order).
+    # None where this torch has no such fields (rebuild then builds the spec from the placements alone).
+    shard_order: Any = None
+    strided_as_order: bool | None = None
     _specs: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # dtype -> DTensorSpec
 
     @classmethod
     def of(cls, x: DTensor) -> DTensorMeta:
-        return cls(x.device_mesh, tuple(x.placements), x.shape, tuple(x.stride()))
+        spec = getattr(x, "_spec", None)
+        return cls(x.device_mesh, tuple(x.placements), x.shape, tuple(x.stride()),
+                   getattr(spec, "shard_order", None), getattr(spec, "use_strided_shard_as_shard_order", None))
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """Inside a trace: a differentiable wrap that make_fx records."""
@@ -65,9 +74,13 @@ class DTensorMeta:
         the first call and shared by every later one: a step's outputs keep their layout)."""
         spec = self._specs.get(local.dtype)
         if spec is None:
-            spec = self._specs[local.dtype] = dtensor_spec(
-                self.device_mesh, self.placements, self.shape, self.stride, local.dtype
-            )
+            spec = dtensor_spec(self.device_mesh, self.placements, self.shape, self.stride, local.dtype)
+            order = (getattr(spec, "shard_order", None), getattr(spec, "use_strided_shard_as_shard_order", None))
+            if self.strided_as_order is not None and order != (self.shard_order, self.strided_as_order):
+                spec = dataclasses.replace(
+                    spec, shard_order=self.shard_order, use_strided_shard_as_shard_order=self.strided_as_order
+                )
+            self._specs[local.dtype] = spec
         return dtensor_with_spec(local, spec)
 
 
@@ -181,8 +194,35 @@ def reduce_gradient(grad: Any, like: Any) -> Any:
 
 
 def resolve_partial(x: DTensor) -> tuple:
-    """Output placements when none are asked for: pending reductions are carried out (Partial -> Replicate)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+    """Output placements when none are asked for: pending reductions are carried out (Partial -> Replicate), and
+    a strided split (`_StridedShard`, the layout of a view such as `x.t().reshape(-1)`) is gathered over its axis
+    (-> Replicate), or kept as the plain `Shard` it is when nothing split the dim before it (split factor 1).
+
+    Every output then has a PartitionSpec (as every jitted output in JAX has a NamedSharding): a _StridedShard has
+    none, so `pf.sharding_of`, `visualize_sharding` and checkpoints could not handle it.
+    """
+    strided = [p.dim for p in x.placements if _is_strided(p)]
+    if len(strided) != len(set(strided)):
+        # One dim strided over several axes: torch's redistribute cannot gather it (it asserts "no flattened
+        # transforms"; gathered one axis at a time, the values come out wrong), as eager DTensor cannot: the
+        # output keeps eager's layout (DTensorMeta keeps its shard order), values right, but no PartitionSpec.
+        return tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+    out = []
+    for p in x.placements:
+        if isinstance(p, Replicate) or is_plain_shard(p):
+            out.append(p)
+        elif isinstance(p, Partial):
+            out.append(Replicate())
+        elif _is_strided(p) and p.split_factor == 1:
+            out.append(Shard(p.dim))
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def _is_strided(p: Any) -> bool:
+    """A `_StridedShard` (a `Shard` subclass in some torch versions, not in others)."""
+    return type(p).__name__ == "_StridedShard"
 
 
 def on_whole_values(func: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh: Any) -> DTensor:
@@ -486,12 +526,51 @@ def place_plain_output(x: torch.Tensor, sharding: Any, path: tuple) -> Any:
 
 
 def output_placements(x: DTensor, sharding: Any, path: tuple) -> tuple:
-    """Placements for an output given its `out_shardings` entry (NamedSharding or P)."""
+    """Placements for an output given its `out_shardings` entry (NamedSharding or P).
+
+    Raises ShardingError naming the output (`out_shardings of out...`) when the spec does not fit its shape, or
+    when the sharding's mesh is not the one the output is on: the placements are applied on the output's own mesh,
+    so another mesh's would give a layout nobody asked for (moving a value between meshes is `pf.device_put`'s).
+    """
+    from pt3func.errors import ShardingError
     from pt3func.sharding.mesh import get_mesh, mesh_of
     from pt3func.sharding.spec import NamedSharding, placements_for
+    from pt3func.tree import keystr
 
+    where = f"out_shardings of out{keystr(path)}"
     if isinstance(sharding, NamedSharding):
-        mesh, spec = sharding.mesh, sharding.spec
+        mesh, spec, named = sharding.mesh, sharding.spec, f"{sharding!r}"
     else:
         mesh, spec = get_mesh() or mesh_of(x.device_mesh), sharding
-    return tuple(placements_for(spec, mesh, tuple(x.shape), path))
+        named = f"spec {sharding} on the current mesh {mesh!r} (pf.set_mesh)"
+    if not _is_mesh_of(mesh, x.device_mesh):
+        raise ShardingError(
+            f"{where}: {named} names another mesh than the output's, {_value_mesh(x.device_mesh)!r}; out_shardings "
+            f"places an output on the mesh of the step's values. Ask for a spec on that mesh and move the result "
+            f"after the call with pf.device_put(out, pf.NamedSharding({mesh!r}, spec))"
+        )
+    try:
+        return tuple(placements_for(spec, mesh, tuple(x.shape), ()))  # `where` names the output
+    except ShardingError as exc:
+        raise ShardingError(f"{where}: {exc}") from None
+
+
+def _is_mesh_of(mesh: Any, device_mesh: Any) -> bool:
+    """Whether `mesh` (a pf.Mesh) is `device_mesh`'s mesh: the same DeviceMesh, or an equal one (same ranks,
+    layout and axis names)."""
+    from pt3func.errors import ShardingError
+
+    try:
+        own = mesh.device_mesh
+    except ShardingError:  # a virtual mesh used in a rank thread of another virtual mesh
+        return False
+    return own is device_mesh or own == device_mesh
+
+
+def _value_mesh(device_mesh: Any) -> Any:
+    """The pf.Mesh to name for a value's `device_mesh`: in a rank thread, the virtual mesh running there."""
+    from pt3func.runtime import virtual
+    from pt3func.sharding.mesh import mesh_of
+
+    running = getattr(virtual._LOCAL, "mesh", None) if virtual.in_rank_thread() else None
+    return running if running is not None else mesh_of(device_mesh)
