@@ -71,7 +71,7 @@ def _resolve(policy: Any) -> Policy:
     )
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """True while `pf.jit` traces (make_fx records nodes), not under torch.compile or eager."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -96,7 +96,7 @@ def checkpoint(
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if _tracing():
+        if tracing():
             return _traced_region(fun, resolved, recompute_collectives, args, kwargs)
         return _eager_region(fun, resolved, args, kwargs)
 
@@ -107,11 +107,20 @@ remat = checkpoint
 
 
 def _traced_region(fun: Callable[..., Any], policy: Policy, collectives: bool, args: tuple, kwargs: dict) -> Any:
+    with traced_region(policy, collectives):
+        return fun(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def traced_region(policy: Policy, collectives: bool = False) -> Iterator[None]:
+    """While `pf.jit` traces: mark the ops recorded inside as one checkpointed region (nested in the enclosing one)
+    for the remat pass. What `pf.checkpoint` does around its function; `trace/torch_checkpoint.py` uses it for
+    `torch.utils.checkpoint.checkpoint`."""
     outer = (fx_traceback.current_meta.get("custom") or {}).get(REGION_KEY)
     region = f"{outer}/{next(_REGIONS)}" if outer else str(next(_REGIONS))
     marks = {REGION_KEY: region, POLICY_KEY: policy.as_meta(), COLLECTIVES_KEY: collectives}
     with fx_traceback.annotate(marks):
-        return fun(*args, **kwargs)
+        yield
 
 
 def _eager_region(fun: Callable[..., Any], policy: Policy, args: tuple, kwargs: dict) -> Any:
@@ -190,7 +199,7 @@ def checkpoint_name(x: Any, name: str) -> Any:
 def _name_leaf(x: Any, name: str) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    if _tracing():
+    if tracing():
         from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
         local = x._local_tensor if isinstance(x, DTensor) else x

@@ -17,6 +17,8 @@ from pt3func.passes.scaled_add import scale_products_before_adding
 from pt3func.runtime.virtual import in_rank_thread
 from pt3func.trace.capture import TRACE_LOCK
 
+aten = torch.ops.aten
+
 BACKENDS = ("inductor", "eager")
 
 
@@ -38,12 +40,27 @@ def compile_program(
             "allow_buffer_reuse": reuse_buffers(gm),
             **(inductor_collective_bucketing() if bucket_collectives(gm) else {}),
         }
-        gm = scale_products_before_adding(fill_fresh_buffers_in_one_op(gm))
+        gm = scale_products_before_adding(fill_fresh_buffers_in_one_op(zeros_for_efficient_zeros(gm)))
         if "accumulate_in_place" not in config.disabled_passes:
             gm = accumulate_in_place(gm)  # mutation only here: the passes before Inductor reorder by data flow
         with TRACE_LOCK, inductor_config.patch(options):
             return compile_fx(gm, list(example_inputs), decompositions=_decompositions(example_inputs))
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+def zeros_for_efficient_zeros(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each `aten._efficientzerotensor` (the zero tangents forward-over-reverse AD makes, e.g. `torch.func.hessian`)
+    becomes `aten.zeros` of the same size and options. Inductor (torch 2.13, CPU) treated the storage-less zero
+    tensor's buffer as free to reuse and wrote a fused kernel's output into it: the step died with SIGSEGV. Same
+    schema, same values; a real buffer costs its size in memory."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten._efficientzerotensor.default:
+            node.target = aten.zeros.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def reorder_for_locality(gm: fx.GraphModule) -> bool:

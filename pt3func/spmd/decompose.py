@@ -11,7 +11,8 @@ value.
 While a sharded step is traced, such ops run their decomposition (`torch._decomp`) with the DTensors themselves:
 every op of it goes through DTensor's own rules and sees global shapes, so a mean divides by the global count
 and a sum over a split dim becomes a partial sum that is reduced where it must be. The numbers are the
-decomposition's, equal to the fused kernel's up to rounding.
+decomposition's, equal to the fused kernel's up to rounding. `weight_norm`'s backward, which `torch._decomp` lacks,
+runs pt3func's own (`_weight_norm_interface_backward`).
 
 The same block also takes `argmax()` / `argmin()` without a dim over a split value (see
 `_flat_argminmax_of_the_whole`).
@@ -60,6 +61,8 @@ def decomposed_ops() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     ops = [op for op in decomposition_table if _decomposable(op)]
     handlers: dict[torch._ops.OpOverload, Callable[..., Any]] = {op: _run_decomposition for op in ops}
     handlers.update(_WHERE_WITH_SCALARS)
+    if _decomposable(aten._weight_norm_interface_backward.default):
+        handlers[aten._weight_norm_interface_backward.default] = _weight_norm_interface_backward
     # Some decompositions are torch._refs written with prims (`prims.where`), which DTensor has no rules for:
     # each prim runs its aten implementation over the DTensors.
     for prim in vars(prims).values():
@@ -70,6 +73,19 @@ def decomposed_ops() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
 
 def _run_decomposition(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     return decomposition_table[op](*args, **kwargs)
+
+
+def _weight_norm_interface_backward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """`weight_norm`'s backward (`nn.utils.parametrizations.weight_norm`, `nn.utils.weight_norm`), which
+    `torch._decomp` has no decomposition for (it has the forward's): aten's own differentiable formula
+    (`_weight_norm_differentiable_backward`, WeightNorm.cpp) written with sums over the kept dims."""
+    bound = {**dict(zip([a.name for a in op._schema.arguments], args)), **kwargs}
+    grad_w, v, g, norms = bound["grad_w"], bound["saved_v"], bound["saved_g"], bound["saved_norms"]
+    dim = bound["dim"] % v.dim()
+    norms = norms.to(g.dtype)  # float32 beside a bfloat16 g (the forward keeps the norm in float32)
+    per_dim_sums = (grad_w * v).sum([d for d in range(v.dim()) if d != dim], keepdim=True)
+    grad_v = (g / norms) * (grad_w - v * (per_dim_sums / (norms * norms)))
+    return grad_v, per_dim_sums / norms
 
 
 def _where_with_scalars(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
