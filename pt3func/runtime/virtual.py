@@ -18,9 +18,11 @@ import operator
 import queue
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,9 +53,12 @@ class VirtualWorld:
 
     _installed = False
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, timeout: timedelta | None = None) -> None:
         _install()
         self.size = size
+        # make_mesh's collective timeout: how long the ranks still running may take once another rank is done
+        # (see `_wait`). None: no limit, as before.
+        self.timeout = timeout
         self._store = dist.HashStore()
         self._jobs: list[queue.Queue] = [queue.Queue() for _ in range(size)]
         self._threads = [
@@ -73,15 +78,17 @@ class VirtualWorld:
             for t in self._threads:
                 t.start()
             # Joined as a job, so under _RUN_LOCK: no other world's collectives run meanwhile.
-            self.run(lambda rank: dist.init_process_group("threaded", rank=rank, world_size=size, store=store))
+            extra = {} if timeout is None else {"timeout": timeout}
+            self.run(lambda rank: dist.init_process_group("threaded", rank=rank, world_size=size, store=store, **extra))
         finally:
             sys.excepthook = excepthook
 
     def run(self, job: Callable[[int], Any]) -> list[Any]:
         """Run `job(rank)` on every rank thread at once; return the results in rank order.
 
-        An exception on any rank is raised here (rank 0's first): ranks run the same program, so an error
-        in tracing or sharding is raised by all of them alike. Callers are served one at a time (see _RUN_LOCK).
+        An exception on any rank is raised here (the lowest rank's): ranks run the same program, so an error
+        in tracing or sharding is raised by all of them alike; an error on one rank only stops the others (see
+        `_wait`). Callers are served one at a time (see _RUN_LOCK).
         """
         if in_rank_thread() or getattr(_CALLER, "running", False):
             # A rank thread: its world's job is running (this thread is part of it), so waiting for that world
@@ -105,25 +112,124 @@ class VirtualWorld:
         with _RUN_LOCK:
             _CALLER.running = True
             try:
-                # The call's own queue: results of a job whose caller was interrupted (Ctrl-C while waiting) go to
-                # that caller's queue, never to the next caller's.
+                _finish_abandoned()
+                # The call's own queue: a rank still running the job of an interrupted caller (Ctrl-C while waiting)
+                # replies there, never to the next caller's queue.
                 replies: queue.Queue = queue.Queue()
-                for q in self._jobs:
-                    q.put((in_world, replies))
-                del in_world  # the rank threads hold the only references now: the arguments die with the job
-                results: list[Any] = [None] * self.size
-                errors: dict[int, BaseException] = {}
-                for _ in range(self.size):
-                    rank, ok, value = replies.get()
-                    if ok:
-                        results[rank] = value
-                    else:
-                        errors[rank] = value
+                return self._wait(in_world, replies)
             finally:
                 _CALLER.running = False
+
+    def _wait(self, job: Callable[[int], Any], replies: queue.Queue) -> list[Any]:
+        """Hand `job` to every rank and wait for their replies; see `run`.
+
+        An error on one rank only (a bad token id in that rank's part of the batch, rank-dependent code) leaves the
+        other ranks waiting in a collective that rank never joins. So on the first error, or when ranks are still
+        running `self.timeout` after another rank finished (a collective not every rank reached), every waiting
+        collective is stopped (torch's threaded process group raises SystemExit in it), the ranks' replies are
+        drained and the collectives' state is cleared, so that the mesh serves the next job.
+        """
+        results: list[Any] = [None] * self.size
+        errors: dict[int, BaseException] = {}
+        running: set[int] = set()
+        stopped = False  # the ranks' collectives were told to stop: a SystemExit now is that, not the job's own
+        timed_out: list[int] = []  # ranks still running at the deadline
+        cut: list[int] = []  # ranks whose job the stop ended
+        deadline: float | None = None
+        try:
+            for rank, q in enumerate(self._jobs):
+                q.put((job, replies))
+                running.add(rank)
+            del job  # the rank threads hold the only references now: the arguments die with the job
+            while running:
+                if deadline is None:
+                    rank, ok, value = replies.get()
+                else:
+                    try:
+                        rank, ok, value = replies.get(timeout=max(deadline - time.monotonic(), 0.0))
+                    except queue.Empty:
+                        timed_out = sorted(running)
+                        _stop_collectives()
+                        stopped, deadline = True, None
+                        continue
+                running.discard(rank)
+                if ok:
+                    results[rank] = value
+                elif stopped and isinstance(value, SystemExit):
+                    cut.append(rank)
+                else:
+                    errors[rank] = value
+                    if not stopped:
+                        _stop_collectives()
+                        stopped, deadline = True, None
+                if deadline is None and not stopped and self.timeout is not None:
+                    deadline = time.monotonic() + self.timeout.total_seconds()
+        except BaseException:
+            # The caller stops waiting (Ctrl-C): the ranks stop too, as every process of a real world would. The next
+            # job waits for them to reply before it starts (`_finish_abandoned`).
+            if running:
+                if not stopped:
+                    _stop_collectives()
+                _ABANDONED.append((replies, running))
+            elif stopped:
+                _clear_stop()
+            raise
+        if stopped:
+            _clear_stop()  # every rank of the job has replied: none is in a collective any more
         if errors:
-            raise errors[min(errors)]
+            first = min(errors)
+            error = errors[first]
+            # Not every rank raised: name the one that did (Python >= 3.11). An error raised again (a cached one)
+            # keeps one note.
+            stops = f"; ranks {sorted(cut)} were stopped" if cut else ""
+            note = f"(raised on virtual rank {first} of {self.size}{stops})"
+            if len(errors) < self.size and hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+            raise error
+        if cut:  # (ranks the deadline stopped that then finished anyway have their results)
+            raise TimeoutError(
+                f"virtual ranks {timed_out} of {self.size} were still running {self.timeout} (make_mesh's timeout) "
+                "after the other ranks had finished the job: a collective that not every rank reached (code that "
+                "differs by rank?), or a rank much slower than the others (raise make_mesh's timeout)"
+            )
         return results
+
+
+# Jobs whose caller stopped waiting after telling their ranks to stop: (replies queue, ranks still running). torch's
+# threaded process group has one stop signal for the process, so the next job of any world first waits for these
+# ranks to reply, then clears it (`_finish_abandoned`).
+_ABANDONED: list[tuple[queue.Queue, set[int]]] = []
+
+
+def _stop_collectives() -> None:
+    """Make every collective of torch's threaded process groups that waits now, or starts before `reset`, raise
+    SystemExit in its rank thread. Under the lock that guards the registry of collectives, which
+    `exception_handle` iterates (a rank starting a collective meanwhile would change it)."""
+    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+    with ProcessLocalGroup._coll_lock:
+        ProcessLocalGroup.exception_handle(None)
+
+
+def _clear_stop() -> None:
+    """Undo `_stop_collectives` once no rank runs a stopped job: forget the collectives the stopped ranks left
+    half-joined (the next collective of a group name must not meet them) and clear the stop signal."""
+    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+    ProcessLocalGroup.reset()
+
+
+def _finish_abandoned() -> None:
+    """Wait for the ranks of interrupted jobs to reply (each stops at its next collective), then clear the stop signal.
+    An interrupt here leaves the rest for the next job."""
+    if not _ABANDONED:
+        return
+    while _ABANDONED:
+        replies, running = _ABANDONED[0]
+        while running:
+            running.discard(replies.get()[0])
+        _ABANDONED.pop(0)
+    _clear_stop()
 
 
 def _serve(rank: int, jobs: queue.Queue) -> None:
@@ -228,13 +334,15 @@ def in_rank_thread() -> bool:
 class VirtualMesh(Mesh):
     """A mesh whose ranks are threads of this process (see module docstring). Use it like any Mesh."""
 
-    def __init__(self, shape: tuple[int, ...], axis_names: tuple[str, ...], device_type: str) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], axis_names: tuple[str, ...], device_type: str, timeout: timedelta | None = None,
+    ) -> None:
         self.axis_names = tuple(axis_names)
         self.shape = tuple(shape)
         self.device_type = device_type
         self.virtual = True
         self._groups = {}
-        self.world = VirtualWorld(math.prod(shape))
+        self.world = VirtualWorld(math.prod(shape), timeout)
         from pt3func.sharding.mesh import make_mesh
 
         self._rank_meshes: list[Mesh] = self.world.run(

@@ -208,8 +208,10 @@ def make_mesh(
     MASTER_ADDR, ...), NCCL if CUDA is available (one GPU per local rank) else gloo, gloo for
     `device_type='cpu'`; without a launcher, a world of one. `timeout` is that
     group's collective timeout (None: torch's default, 30 min for gloo, 10 min for NCCL); it has no effect on a
-    world that is already running. The mesh must cover the world exactly. Collective: every rank calls it with the
-    same arguments. Calling it again with the same arguments returns the same `Mesh`.
+    world that is already running. On a virtual mesh it bounds how long ranks may still run once another rank has
+    finished a job (None: no bound); an error on one rank stops the others at once either way. The mesh must cover
+    the world exactly. Collective: every rank calls it with the same arguments. Calling it again with the same
+    arguments returns the same `Mesh`.
     `axis_names` is a tuple of names, one per axis; a single str names the one axis of a 1-D mesh.
     """
     shape = tuple(int(s) for s in shape)
@@ -225,7 +227,7 @@ def make_mesh(
         from pt3func.runtime.virtual import VirtualMesh, in_rank_thread
 
         if not in_rank_thread():
-            return VirtualMesh(shape, axis_names, device_type or "cpu")
+            return VirtualMesh(shape, axis_names, device_type or "cpu", timeout)
         virtual = False
     _ensure_world(timeout, device_type)
     world = dist.get_world_size()
