@@ -196,6 +196,11 @@ class Compiled:
         self._check_overlap = bool(p.donated_leaves)
         # Tensors the step captured (closure, global): graph constants the program reads at every call.
         self._captured = _captured_storages(p.graph_module) if p.donated_leaves else {}
+        # Each captured tensor with the shape, dtype and device the program was compiled for, checked at a call when
+        # its buffer address changed (what `model.double()` or `param.data = ...` do): one C-level map per call.
+        self._constants = _captured_layouts(p.graph_module)
+        self._constant_tensors = [value for _, value, _, _, _ in self._constants]
+        self._constant_ptrs = list(map(_DATA_PTR, self._constant_tensors))
         self._input_kinds = [p.input_leaf_kind[i] for i in p.graph_input_leaves]
         self._where = f"jitted '{p.name}'"
         self._warned = False
@@ -343,6 +348,8 @@ class Compiled:
             inputs.append(leaf)
         if self._check_overlap:
             self._refuse_donation_overlap(leaves, inputs)
+        if self._constant_tensors and list(map(_DATA_PTR, self._constant_tensors)) != self._constant_ptrs:
+            self._check_captured_layouts()
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without the context manager's cost
         try:
@@ -364,6 +371,15 @@ class Compiled:
         for i in self._invalidate:
             invalidate(leaves[i], self._where)
         return out_leaves
+
+    def _check_captured_layouts(self) -> None:
+        """Refuse a captured tensor whose shape, dtype or device changed since the trace (its buffer was replaced:
+        `param.data = bigger`, `model.double()`): the program would misread it (Inductor's kernels silently read
+        garbage) or fail inside torch. A buffer replaced by one of the same layout is read as it is."""
+        for name, value, shape, dtype, device in self._constants:
+            if value.dtype is not dtype or value.shape != shape or value.device != device:
+                raise TracingError(_captured_changed(self._program, name, value, shape, dtype, device))
+        self._constant_ptrs = list(map(_DATA_PTR, self._constant_tensors))
 
     def _refuse_donation_overlap(self, leaves: list[Any], inputs: list[Any]) -> None:
         if self._captured:
@@ -431,6 +447,46 @@ def _captured_storages(gm: fx.GraphModule) -> dict[int, str]:
             if isinstance(value, torch.Tensor) and value.numel() and not isinstance(value, FakeTensor):
                 out[value.untyped_storage().data_ptr()] = str(node.target)
     return out
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _captured_layouts(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor, torch.Size, torch.dtype, torch.device]]:
+    """(name, tensor, shape, dtype, device) of each tensor a program holds as a constant (what its step captured)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            # Plain tensors and parameters (a tensor subclass's data_ptr may dispatch or refuse).
+            if type(value) in (torch.Tensor, torch.nn.Parameter):
+                out.append((str(node.target), value, value.shape, value.dtype, value.device))
+    return out
+
+
+def _captured_changed(p: Program, name: str, value: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                      device: torch.device) -> str:
+    """Which captured tensor changed its layout since `p` was traced, where the step uses it, old -> new."""
+    from pt3func.trace.source import describe, user_frame_in_stack_trace
+
+    where = ""
+    node = next((n for n in p.graph_module.graph.nodes if n.op == "get_attr" and str(n.target) == name), None)
+    for user in node.users if node is not None else ():
+        frame = user_frame_in_stack_trace(user.meta.get("stack_trace"))
+        if frame is not None:
+            where = f", used at {describe(*frame)}"
+            break
+
+    def layout(s: torch.Size, d: torch.dtype, dev: torch.device) -> str:
+        return f"{str(d).removeprefix('torch.')}{list(s)} on {dev}"
+
+    return (
+        f"{p.name}: a tensor the step captures from outside (a closure's or global's, such as a closure model's "
+        f"parameter; graph constant {name}{where}) changed from {layout(shape, dtype, device)} to "
+        f"{layout(value.shape, value.dtype, value.device)} since the step was traced (`model.double()`, "
+        "`param.data = ...`). The program reads captured tensors at every call but keeps their shape, dtype and "
+        "device: pass the model's state as an argument (pf.functionalize), or jit the step again after changing it."
+    )
 
 
 def refuse_donating_captured(p: Program, leaves: list[Any]) -> None:

@@ -11,10 +11,12 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
@@ -388,6 +390,77 @@ def _user_location() -> str:
     return describe(frame.f_code.co_filename, frame.f_lineno) if frame is not None else "in the step"
 
 
+def _user_stacklevel() -> int:
+    """The `stacklevel` of `warnings.warn`, called by this function's caller, that names the innermost user
+    frame (the line calling the jitted step); 2 (the caller) when none is found."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+_PT3FUNC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _is_pt3func_file(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PT3FUNC_DIR)
+
+
+class _FinishedTraceMode(FakeTensorMode):
+    """A finished trace's fake mode: a tensor of it used by the user's code raises, where it gave more fake tensors
+    (`t.sum()`) or torch's GuardOnDataDependentSymNode (`float(t)`).
+
+    A value can leave a trace through a side channel (a forward hook storing activations in a dict, a global, a
+    list the step appends to). It is a FakeTensor of the trace's mode; used outside any fake mode, FakeTensor's
+    dispatch enters that mode (`with fake_mode:`), which lands here. pt3func's own passes, which compute on the
+    graph's fake values after the trace, and anything running inside another fake mode are left alone. Runs
+    only when an escaped value is used: no cost to traces or calls."""
+
+    _pt3func_step = "the step"
+
+    def __enter__(self) -> FakeTensorMode:
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "__torch_dispatch__" and caller.f_code.co_filename.endswith("fake_tensor.py"):
+            frame = caller.f_back
+            while frame is not None and not (is_user_file(frame.f_code.co_filename)
+                                             or _is_pt3func_file(frame.f_code.co_filename)):
+                frame = frame.f_back
+            if frame is not None and is_user_file(frame.f_code.co_filename):
+                raise TracingError(
+                    f"{describe(frame.f_code.co_filename, frame.f_lineno)}: uses a value that escaped from inside "
+                    f"jitted '{self._pt3func_step}' while it was traced (kept by a forward hook, a global, a "
+                    "closure's dict or list): it is a placeholder (FakeTensor) that only exists during tracing, as "
+                    "JAX's UnexpectedTracerError says. Return the value from the step (an activations or metrics "
+                    "dict among its outputs) instead."
+                )
+        return super().__enter__()
+
+
+def _finish_fake_mode(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], fn_name: str) -> None:
+    """Make the fake tensors of the trace that made `gm` refuse later use by user code (`_FinishedTraceMode`)."""
+    from torch.distributed.tensor import DTensor
+
+    def fake_of(value: object) -> FakeTensor | None:
+        value = value._local_tensor if isinstance(value, DTensor) else value
+        return value if isinstance(value, FakeTensor) else None
+
+    mode = None
+    for node in gm.graph.nodes:
+        if (fake := fake_of(node.meta.get("val"))) is not None:
+            mode = fake.fake_mode
+            break
+    # A mode given by the inputs or active around the trace (the user's own FakeTensorMode, another trace's) lives
+    # on: it is not this trace's.
+    if mode is None or type(mode) is not FakeTensorMode or torch._C._get_dispatch_mode(
+        torch._C._TorchDispatchModeKey.FAKE
+    ) is not None or any(
+        (fake := fake_of(x)) is not None and fake.fake_mode is mode for x in example_inputs
+    ):
+        return
+    mode.__class__ = _FinishedTraceMode
+    mode._pt3func_step = fn_name
+
+
 def trace(
     fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor], fn_name: str
 ) -> torch.fx.GraphModule:
@@ -395,13 +468,15 @@ def trace(
     try:
         with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _no_backward(fn_name), \
                 _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name), \
-                _inlining_compiled_functions():
+                _inlining_compiled_functions(), _anomaly_detection_off(fn_name):
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             def traced() -> torch.fx.GraphModule:
-                return make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
+                gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(
                     *example_inputs
                 )
+                _finish_fake_mode(gm, example_inputs, fn_name)
+                return gm
 
             states = _default_generator_states()
             gm = traced()
@@ -438,6 +513,33 @@ def trace(
     gm.recompile()
     check_static(gm, fn_name)
     return gm
+
+
+_warned_anomaly = False
+
+
+@contextlib.contextmanager
+def _anomaly_detection_off(fn_name: str) -> Iterator[None]:
+    """Trace with autograd's anomaly detection off, put back after.
+
+    Under `torch.autograd.set_detect_anomaly(True)` the autograd engine checks each backward output for NaN by
+    reading its value (`isnan(t).any()` into Python): in a trace every step taking a gradient failed with a
+    data-dependent-control-flow error blaming the user's code. A compiled program has no such checks anyway.
+    """
+    global _warned_anomaly
+    if not torch.is_anomaly_enabled():
+        yield
+        return
+    if not _warned_anomaly:
+        _warned_anomaly = True
+        warnings.warn(
+            f"jitted '{fn_name}': torch.autograd.set_detect_anomaly(True) is on, but anomaly detection (NaN checks, "
+            "forward tracebacks) does not run inside a compiled program; the step is traced without it. Run the "
+            "function without pf.jit to hunt a NaN.",
+            stacklevel=_user_stacklevel(),
+        )
+    with torch.autograd.set_detect_anomaly(False):  # restores the user's mode (and check_nan) on exit
+        yield
 
 
 @contextlib.contextmanager

@@ -26,7 +26,9 @@ _local = threading.local()
 _lock = threading.Lock()
 _recorders = 0
 _hook: Any = None
-_original_train = nn.Module.train
+# The `nn.Module.train` the recording patch wraps and puts back: read when the patch is installed, not at import,
+# so a patch of the user's (or a library's) made after importing pt3func runs during traces and survives them.
+_wrapped_train: Any = nn.Module.train
 
 
 class Recording:
@@ -45,10 +47,12 @@ def recording_called_modules() -> Iterator[Recording]:
 
     The global hook is installed only while some thread records: an installed global hook sends every module call
     in the process down `nn.Module`'s slow path."""
-    global _recorders, _hook
+    global _recorders, _hook, _wrapped_train
     with _lock:
         if _recorders == 0:
             _hook = nn.modules.module.register_module_forward_pre_hook(_record)
+            if nn.Module.train is not _train:
+                _wrapped_train = nn.Module.train
             nn.Module.train = _train  # type: ignore[method-assign]
         _recorders += 1
     previous = getattr(_local, "recording", None)
@@ -67,7 +71,8 @@ def recording_called_modules() -> Iterator[Recording]:
             if _recorders == 0:
                 _hook.remove()
                 _hook = None
-                nn.Module.train = _original_train  # type: ignore[method-assign]
+                if nn.Module.train is _train:  # one set while the trace ran (by the step itself) is left in place
+                    nn.Module.train = _wrapped_train  # type: ignore[method-assign]
 
 
 def _record(module: nn.Module, _args: Any) -> None:
@@ -80,7 +85,7 @@ def _train(self: nn.Module, mode: bool = True) -> nn.Module:
     recording = getattr(_local, "recording", None)
     if recording is not None:
         recording.set_by_step.add(id(self))
-    return _original_train(self, mode)
+    return _wrapped_train(self, mode)
 
 
 class ModuleWatch:
