@@ -40,9 +40,8 @@ def _eager_and_jitted(loss: Callable, w: torch.Tensor, x: torch.Tensor, backend:
     want_grad = ww.grad
     want_next = torch.rand(3)
     torch.manual_seed(42)
-    # The trace enters torch_checkpoint_as_regions itself (trace/capture.py); entered here too, it nests.
-    with torch_checkpoint_as_regions():
-        got_loss, got_grad = pf.jit(pf.value_and_grad(loss), backend=backend)(w, x)
+    # The trace enters torch_checkpoint_as_regions itself (trace/capture.py).
+    got_loss, got_grad = pf.jit(pf.value_and_grad(loss), backend=backend)(w, x)
     assert torch.equal(torch.rand(3), want_next)  # one draw per dropout: the recompute drew nothing
     torch.testing.assert_close(got_loss, want_loss.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
@@ -93,7 +92,7 @@ def test_torch_checkpoint_options_a_trace_cannot_honour_are_refused(option: dict
     def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return tuc.checkpoint(_block, x, w, use_reentrant=False, **option).sum()
 
-    with torch_checkpoint_as_regions(), pytest.raises(TracingError, match=named) as info:
+    with pytest.raises(TracingError, match=named) as info:
         pf.jit(pf.grad(loss))(torch.randn(6, 6), torch.randn(4, 6))
     assert "test_extensions_s16.py" in str(info.value)  # the user's line
 

@@ -30,6 +30,7 @@ from pt3func.trace.source import (
     user_frame_in_stack_trace,
     user_frame_in_traceback,
 )
+from pt3func.trace.torch_checkpoint import torch_checkpoint_as_regions
 
 _DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (GuardOnDataDependentSymNode,)
 try:
@@ -468,7 +469,7 @@ def trace(
     try:
         with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _no_backward(fn_name), \
                 _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name), \
-                _inlining_compiled_functions(), _anomaly_detection_off(fn_name):
+                _inlining_compiled_functions(), _anomaly_detection_off(fn_name), torch_checkpoint_as_regions():
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             def traced() -> torch.fx.GraphModule:
