@@ -47,3 +47,38 @@ def test_broadcastable_gradient_shape_is_refused_not_broadcast():
         opt.update({"w": torch.randn(4, 4)}, state, params)
     with pytest.raises(ValueError, match=r"\['w'\] has shape \(4, 4\)"):
         pf.optim.apply_updates(params, {"w": torch.randn(4, 4)})
+
+
+def test_hooks_registered_or_removed_after_the_trace_trace_again(caplog):
+    # A trace runs the hooks registered then; a program that kept a hook's effect after its removal (or missed a
+    # new one) is not eager PyTorch's. Both programs are kept, as for train / eval modes.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    step = pf.jit(lambda x: model(x).sum(), backend="eager")
+    plain = step(x)
+    handle = model[1].register_forward_hook(lambda m, args, out: out * 2)
+    with _explaining(), caplog.at_level("INFO", logger="pt3func.jit"):
+        hooked = step(x)
+    torch.testing.assert_close(hooked, model(x).sum())
+    assert not torch.allclose(hooked, plain)
+    assert "hooks of modules the step calls were registered or removed (Tanh)" in caplog.text
+    handle.remove()
+    torch.testing.assert_close(step(x), plain)
+    assert step.trace_count() == 2  # the first program again
+    glob = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: out + 1 if m is model else None)
+    try:
+        torch.testing.assert_close(step(x), model(x).sum())
+    finally:
+        glob.remove()
+    torch.testing.assert_close(step(x), plain)
+    assert step.trace_count() == 3
+
+
+class _explaining:
+    def __enter__(self):
+        self.was = pf.config.explain_cache_misses
+        pf.config.explain_cache_misses = True
+
+    def __exit__(self, *exc):
+        pf.config.explain_cache_misses = self.was

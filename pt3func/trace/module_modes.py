@@ -7,9 +7,10 @@ changes, as eager PyTorch would change its behaviour, and keep both programs (tr
 
 While a trace runs (in its thread), a global forward pre-hook records every module called through `__call__`; each
 signature keeps weak references to the modules its own trace called (`ModuleWatch`), and a call matches that
-signature's program only while their modes are the ones it was traced with (a guard, as Dynamo's). Modules given
-as static arguments (a jitted method's `self`) key the signature by their mode too. A step that reads
-`module.training` of a module it neither calls nor takes as a static argument is not seen.
+signature's program only while their modes, and the hooks registered on them (and the global module hooks), are the
+ones it was traced with (a guard, as Dynamo's). Modules given as static arguments (a jitted method's `self`) key the
+signature by their mode too. A step that reads `module.training` of a module it neither calls nor takes as a static
+argument is not seen.
 """
 
 from __future__ import annotations
@@ -103,20 +104,52 @@ class ModuleWatch:
         self.ids = frozenset(id(m) for m in kept)
 
     def modes(self) -> tuple:
-        """Each watched module's `training` flag (None once it is gone); () when none is watched."""
+        """Each watched module's `training` flag (None once it is gone), with its hooks' handle ids where it has
+        hooks, then the global module hooks' where there are any; () when no module is watched.
+
+        A trace runs the hooks registered then and the program keeps what they did: a hook registered or removed
+        later (a forward hook that edits an activation) must trace again, as eager PyTorch would run it (Dynamo
+        guards on hooks too). A hook's handle id is new for every registration."""
         if not self._refs:
             return ()
-        return tuple([None if (m := r()) is None else m.training for r in self._refs])
+        out = [None if (m := r()) is None else
+               (m.training if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                                   or m._backward_pre_hooks) else _with_hooks(m))
+               for r in self._refs]
+        if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]:
+            mine = _hook.id if _hook is not None else None  # a trace's own recording hook (a nested trace's key)
+            out.append(("global hooks", *(tuple(k for k in hooks if k != mine) for hooks in _GLOBAL_HOOKS)))
+        return tuple(out)
 
     def describe_change(self, old: tuple, new: tuple) -> str | None:
-        """The modules whose modes differ between two `modes()` tuples, in words; None if none differs."""
+        """The modules whose modes or hooks differ between two `modes()` tuples, in words; None if none differs."""
+        if old[len(self.names):] != new[len(self.names):]:
+            return "the global module hooks (torch.nn.modules.module.register_module_forward_hook, ...) changed"
         changed = [(name, a, b) for name, a, b in zip(self.names, old, new) if a != b]
         if not changed:
             return None
-        names = list(dict.fromkeys(name for name, _, _ in changed))
-        kinds = "; ".join(sorted({f"{_mode(a)} -> {_mode(b)}" for _, a, b in changed}))
+        modes = [(name, _training(a), _training(b)) for name, a, b in changed if _training(a) != _training(b)]
+        if not modes:
+            names = list(dict.fromkeys(name for name, _, _ in changed))
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            return f"hooks of modules the step calls were registered or removed ({', '.join(names[:4])}{more})"
+        names = list(dict.fromkeys(name for name, _, _ in modes))
+        kinds = "; ".join(sorted({f"{_mode(a)} -> {_mode(b)}" for _, a, b in modes}))
         more = f" and {len(names) - 4} more" if len(names) > 4 else ""
         return f"the mode of modules the step calls changed ({', '.join(names[:4])}{more}): {kinds}"
+
+
+_GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+                 nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
+
+
+def _with_hooks(m: nn.Module) -> tuple:
+    return (m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
+            tuple(m._backward_pre_hooks))
+
+
+def _training(mode: Any) -> bool | None:
+    return mode[0] if isinstance(mode, tuple) else mode
 
 
 NO_WATCH = ModuleWatch()
