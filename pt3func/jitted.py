@@ -44,7 +44,6 @@ from pt3func.runtime.donated import is_donated
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, mesh_of_shardings, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.sharding.mesh import get_mesh
-from pt3func.sharding.spec import NamedSharding, PartitionSpec
 from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
@@ -114,9 +113,6 @@ class Jitted:
         self.memory_budget = memory_budget
         self.backend = backend
         self.cuda_graphs = bool(cuda_graphs)
-        # Bare PartitionSpecs in the shardings resolve through the current mesh (`pf.set_mesh`) when the step is
-        # traced: that mesh is then part of the signature (a step called again under another mesh reused the first).
-        self._reads_current_mesh = _has_bare_spec(in_shardings) or _has_bare_spec(out_shardings)
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
         self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
@@ -138,8 +134,11 @@ class Jitted:
     ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
         dynamic, static = split_static(self._spec, args, kwargs)
         types = static_types(static)
-        if self._reads_current_mesh:  # by identity, as a DTensor leaf's mesh: the last entry of `types`
-            types += (("mesh", get_mesh()),)
+        # Bare PartitionSpecs in the shardings, `pf.shard_map` without `mesh=` and `with_sharding_constraint` /
+        # `device_put` inside the step resolve through the current mesh (`pf.set_mesh`) when the step is traced: that
+        # mesh (by identity, as a DTensor leaf's) is the last entry of `types` (a step called again under another
+        # mesh ran the first mesh's program).
+        types += (("mesh", get_mesh()),)
         # The key order and type of every dict among the arguments: a step may iterate a dict, and a treedef
         # compares dicts by their sorted keys (a program traced for {"b", "a"} ran for {"a", "b"}).
         # Keyword arguments bound to named parameters are order-free (`f(a=x, b=y)` then `f(b=y, a=x)` retraced);
@@ -376,9 +375,10 @@ class Jitted:
                     reasons.append(f"{label}: {a} -> {b}")
         if not reasons and old_key[1] != static:
             reasons.append(f"static arguments changed: {old_key[1]} -> {static}")
-        if not reasons and self._reads_current_mesh and old_key[2][-1] != key[2][-1]:
-            reasons.append(f"the current mesh (pf.set_mesh), which the PartitionSpecs of in_shardings / out_shardings "
-                           f"resolve through, changed: {old_key[2][-1][1]} -> {key[2][-1][1]}")
+        if not reasons and old_key[2][-1] != key[2][-1]:
+            reasons.append(f"the current mesh (pf.set_mesh), which bare PartitionSpecs (in_shardings, out_shardings, "
+                           f"shard_map, with_sharding_constraint) resolve through, changed: {old_key[2][-1][1]} -> "
+                           f"{key[2][-1][1]}")
         if not reasons and old_key[2] != key[2]:
             reasons.append(f"the trace modes (autocast, inference mode, default dtype) or static argument types "
                            f"changed: {old_key[2]} -> {key[2]}")
@@ -622,7 +622,7 @@ class Jitted:
             spec=spec,
             # The signature `Compiled.__call__` checks (without the dicts' orders, nor the current mesh: it places
             # plain arguments on the mesh the step was lowered under).
-            key=(*key[:2], key[2][:-1] if self._reads_current_mesh else key[2], key[3]),
+            key=(*key[:2], key[2][:-1], key[3]),
             dtensor_out=dtensor_out,
             plain_out_shardings=out_info["plain_out"],
             notes={**lower.collective_notes(gm), **remat_notes(gm)},
@@ -706,15 +706,6 @@ def _snapshot(program: Program) -> tuple[Any, dict]:
     by_name = {node.name: node for node in graph_module.graph.nodes}
     notes = {by_name[node.name]: note for node, note in program.notes.items() if node.name in by_name}
     return graph_module, notes
-
-
-def _has_bare_spec(shardings: Any) -> bool:
-    """Whether in_shardings / out_shardings hold a bare PartitionSpec (not a NamedSharding): one that resolves
-    through the current mesh."""
-    if shardings is None:
-        return False
-    found = tree.leaves(shardings, is_leaf=lambda x: isinstance(x, (PartitionSpec, NamedSharding)))
-    return any(isinstance(s, PartitionSpec) for s in found)
 
 
 def _name_of(fn: Any) -> str:

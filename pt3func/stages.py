@@ -422,8 +422,11 @@ def _signature_mismatch(p: Program, key: tuple) -> str:
     treedef, static, types, leaf_keys = key
     if treedef != p.key[0]:
         reasons = [f"the pytree structure of the arguments changed: {p.key[0]} -> {treedef}"]
-    elif static != p.key[1] or types != p.key[2]:
-        reasons = [f"static arguments or trace modes changed: {p.key[1]} -> {static}"]
+    elif static != p.key[1]:
+        reasons = [f"static arguments changed: {p.key[1]} -> {static}"]
+    elif types != p.key[2]:
+        reasons = [f"the trace modes (autocast, inference mode, default dtype) or static argument types changed: "
+                   f"{p.key[2]} -> {types}"]
     else:
         reasons = leaf_key_changes(leaf_labels(p.spec, treedef, static), p.key[3], leaf_keys)
     return (

@@ -144,13 +144,51 @@ def test_bare_out_shardings_follow_the_current_mesh(caplog: pytest.LogCaptureFix
     assert "current mesh" in caplog.text
 
 
-def test_named_out_shardings_do_not_key_by_the_current_mesh() -> None:
+def test_named_out_shardings_keep_their_mesh_under_any_current_mesh() -> None:
     x = torch.arange(8 * 4.0).reshape(8, 4)
     a = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
     f = pf.jit(lambda v: v * 3, out_shardings=pf.NamedSharding(a, P("dp")), backend="eager")
-    for mesh in (None, a):  # a NamedSharding names its mesh: the current one is not part of the signature
+    for mesh in (None, a, None):  # a NamedSharding names its mesh, whichever is current
         with pf.set_mesh(mesh):
             out = f(x)
         assert pf.sharding_of(out).mesh is a
         torch.testing.assert_close(pf.device_get(out), x * 3)
-    assert f.trace_count() == 1
+    assert f.trace_count() == 1  # the step runs in the virtual mesh's rank threads, under that mesh each time
+
+
+def _axis_numbers(x: torch.Tensor) -> torch.Tensor:
+    return x * 0 + pf.lax.axis_size("dp") + 10 * pf.lax.axis_index("dp")
+
+
+@pytest.mark.parametrize("inside", ["shard_map", "with_sharding_constraint"])
+def test_steps_resolving_specs_through_the_current_mesh_trace_again_under_another(inside: str) -> None:
+    # shard_map without mesh= and with_sharding_constraint(x, P(...)) read pf.set_mesh's mesh while traced: a call
+    # under another mesh ran the first mesh's program (its process groups: an error on virtual meshes, the wrong
+    # layout on real ones).
+    if inside == "shard_map":
+        step = pf.shard_map(_axis_numbers, in_specs=P("dp"), out_specs=P("dp"))
+    else:
+        def step(v: torch.Tensor) -> torch.Tensor:
+            return pf.with_sharding_constraint(v * 2, P("dp"))
+    f = pf.jit(step, backend="eager")
+    x = torch.arange(8 * 2.0).reshape(8, 2)
+    a = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    b = pf.make_mesh((4, 1), ("dp", "tp"), virtual=True)
+    for mesh in (a, b, a):
+        with pf.set_mesh(mesh):
+            want = pf.device_get(pf.jit(step, backend="eager")(x))  # a fresh jit under this mesh
+            out = f(x)
+        assert pf.sharding_of(out).mesh is mesh
+        torch.testing.assert_close(pf.device_get(out), want)
+    assert f.trace_count() == 2
+
+
+def test_compiled_under_another_default_dtype_names_the_trace_modes() -> None:
+    compiled = pf.jit(lambda x: x + 1.0, backend="eager").lower(torch.zeros(2)).compile()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(pf.TracingError, match=r"trace modes .* changed: .*default_dtype"):
+            compiled(torch.zeros(2))
+    finally:
+        torch.set_default_dtype(previous)
