@@ -40,7 +40,7 @@ from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, 
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
 from pt3func.runtime.backend import BACKENDS
-from pt3func.runtime.donated import is_donated
+from pt3func.runtime.donated import is_donated, refuse_inference_donation
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, mesh_of_shardings, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.sharding.mesh import get_mesh
@@ -285,6 +285,8 @@ class Jitted:
         unused donation), the trace is kept for the signature's next call: tracing it again counted a second cache
         miss for a signature that never changed."""
         program = lowered._program
+        refuse_inference_donation(program.name, program.input_labels, leaves,
+                                  [i for i in program.donated_leaves if i in program.donation.donated_inputs])
         # The compile rewrites the graph in place (the backend's passes): an interrupted one may leave it half done,
         # so the next call compiles a copy taken before.
         pristine = _snapshot(program) if lowered._compiled is None else None

@@ -23,7 +23,7 @@ from pt3func.passes.donation import DonationPlan
 from pt3func.runtime import virtual
 from pt3func.runtime.backend import compile_program
 from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
-from pt3func.runtime.donated import invalidate
+from pt3func.runtime.donated import invalidate, refuse_inference_donation
 from pt3func.sharding.mesh import get_mesh
 from pt3func.spmd.lower import place_plain_output
 from pt3func.trace.signature import ArgSpec, leaf_key, leaf_key_changes, leaf_labels, split_call, static_types
@@ -355,6 +355,11 @@ class Compiled:
         try:
             # A CUDA graph swaps each donated input in `inputs` for the captured buffer holding its new value.
             outs = self._runner.run(inputs) if self._graphed else self._runner(*inputs)
+        except RuntimeError:
+            # Torch's "inplace update to inference tensor" for a donated one: named here rather than checked before
+            # every call (the first call's compile checks it: `refuse_inference_donation`).
+            refuse_inference_donation(p.name, p.input_labels, leaves, self._invalidate)
+            raise
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         out_leaves: list[Any] = [None] * p.out_treedef.num_leaves

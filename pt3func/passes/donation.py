@@ -112,6 +112,10 @@ def apply_donation(gm: fx.GraphModule, plan: DonationPlan) -> fx.GraphModule:
                 "computed in place, it would read elements already overwritten"
             )
     with gm.graph.inserting_before(output_node):
+        donated_roots = {storage_root(outs[j]) for j in plan.aliases if isinstance(outs[j], fx.Node)}
+        for k, out in enumerate(outs):
+            if k not in plan.aliases and isinstance(out, fx.Node):
+                outs[k] = _own_copy(gm.graph, out, donated_roots)
         for j, i in plan.aliases.items():
             if outs[j] is not placeholders[i]:
                 gm.graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], outs[j]))
@@ -119,3 +123,21 @@ def apply_donation(gm: fx.GraphModule, plan: DonationPlan) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _own_copy(graph: fx.Graph, out: fx.Node, donated_roots: set[fx.Node]) -> fx.Node:
+    """`out`, or a copy of it when it is a donated output or a view of one (`return n, {"row": n[0]}`).
+
+    Inductor computes a donated output in place in its input (`copy_(x, index_copy(x, ...))` becomes
+    `x.index_copy_(...)`), so such an output would share the donated buffer and the next call would overwrite
+    the value the caller kept. `prims.clone`, not `aten.clone`: Inductor drops the latter as a no-op when its
+    source is an intermediate, before it moves that intermediate into the donated input.
+    """
+    if storage_root(out) not in donated_roots:
+        return out
+    clone = graph.call_function(torch.ops.prims.clone.default, (out,))
+    val = out.meta.get("val")
+    if isinstance(val, torch.Tensor) and getattr(val, "fake_mode", None) is not None:
+        with val.fake_mode:
+            clone.meta["val"] = torch.ops.prims.clone.default(val)
+    return clone

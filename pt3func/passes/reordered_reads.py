@@ -44,6 +44,25 @@ _REORDERING_OPS = frozenset({
     aten.sort.default, aten._softmax.default, aten._log_softmax.default, aten.native_layer_norm.default,
 })
 
+# Ops that write some positions of a copy of their first operand (`self`): out[i] is self[i] wherever nothing is
+# written, so `self` is read where it is stored (a KV cache's `index_put`/`scatter`/`index_copy` of the new
+# entries); only their index and value operands are read at other positions.
+_KEEPS_SELF_POSITIONS = frozenset({
+    aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default, aten.scatter.src,
+    aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce, aten.scatter_add.default,
+    aten.scatter_reduce.two, aten.index_copy.default, aten.index_add.default, aten.index_fill.int_Scalar,
+    aten.index_fill.int_Tensor,
+})
+
+
+def _only_as_self(src: fx.Node, user: fx.Node) -> bool:
+    """Whether `user` takes `src` as its first operand and as no other (`scatter(x, 0, i, x)` gathers `x` too)."""
+    if not user.args or user.args[0] is not src:
+        return False
+    others = [*user.args[1:], *user.kwargs.values()]
+    flat = [a for o in others for a in (o if isinstance(o, (list, tuple)) else [o])]
+    return all(a is not src for a in flat)
+
 
 def _aliases_input(target: object) -> bool:
     schema = getattr(target, "_schema", None)
@@ -157,6 +176,8 @@ def _next_pos(src: fx.Node, user: fx.Node, pos: _Pos) -> _Pos | str | None:
     tags = getattr(target, "tags", ())
     vs, vu = _val(src), _val(user)
     moved: _Pos | None = None
+    if target in _KEEPS_SELF_POSITIONS and _only_as_self(src, user):
+        return pos
     if target is operator.getitem:
         if not _aliases_input(src.target):
             return pos  # a result of var_mean, max.dim: as its op, already judged

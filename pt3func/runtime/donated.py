@@ -66,3 +66,22 @@ def invalidate(t: torch.Tensor, where: str) -> None:
 
 def is_donated(t: Any) -> bool:
     return isinstance(t, DonatedTensor) or getattr(type(t), "_pt3func_is_donated", False)
+
+
+def refuse_inference_donation(name: str, labels: Any, leaves: Any, donated: Any) -> None:
+    """Refuse a call outside `torch.inference_mode()` that donates a tensor made inside it (a KV cache filled
+    under inference mode): torch forbids writing into it there, and the program writes each donated buffer in
+    place, so the call would fail inside torch without naming the argument. `donated`: the leaf indices whose
+    buffers the program writes; `labels[i]` names leaf i."""
+    if torch.is_inference_mode_enabled():
+        return
+    for i in donated:
+        leaf = leaves[i]
+        local = getattr(leaf, "_local_tensor", leaf)
+        if isinstance(local, torch.Tensor) and local.is_inference():
+            raise DonationError(
+                f"{name}: donated {labels[i]} is an inference tensor (made under torch.inference_mode()), and "
+                "torch forbids writing into one outside inference mode. Call the step under "
+                "torch.inference_mode() too, pass a normal tensor (`.clone()` it outside inference mode), or do "
+                "not donate it."
+            )
