@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
 import pickle
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,15 +14,6 @@ from torch import nn
 
 import pt3func as pf
 from pt3func import P
-
-
-@contextlib.contextmanager
-def _explaining() -> Iterator[None]:
-    pf.config.explain_cache_misses = True
-    try:
-        yield
-    finally:
-        pf.config.explain_cache_misses = False
 
 
 def _dropout_model() -> nn.Module:
@@ -58,12 +47,13 @@ def test_closure_module_mode_is_part_of_the_signature() -> None:
     assert float(step(x)) == 64.0
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_mode_change_is_explained(caplog: pytest.LogCaptureFixture) -> None:
     model = _dropout_model()
     params, apply = pf.functionalize(model)
     loss = pf.jit(lambda p, x: apply(p, x).sum(), backend="eager")
     x = torch.randn(2, 4)
-    with _explaining(), caplog.at_level(logging.WARNING, "pt3func.jit"):
+    with caplog.at_level(logging.WARNING, "pt3func.jit"):
         loss(params, x)
         model.eval()
         loss(params, x)
@@ -118,10 +108,11 @@ def test_partial_is_named_by_its_function(caplog: pytest.LogCaptureFixture) -> N
     assert step.name.startswith("partial(") and "f" in step.name and len(step.name) < 80
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_trace_count_and_explanations_on_a_virtual_mesh_count_once(caplog: pytest.LogCaptureFixture) -> None:
     mesh = pf.make_mesh((4,), ("dp",), virtual=True)
     step = pf.jit(lambda w, x: (x @ w).sum(), in_shardings=(P(), P("dp")), backend="eager")
-    with pf.set_mesh(mesh), _explaining(), \
+    with pf.set_mesh(mesh), \
             caplog.at_level(logging.WARNING, "pt3func.jit"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w = pf.device_put(torch.randn(16, 8), P())

@@ -18,15 +18,6 @@ from pt3func import P
 
 
 @contextlib.contextmanager
-def _explaining() -> Iterator[None]:
-    pf.config.explain_cache_misses = True
-    try:
-        yield
-    finally:
-        pf.config.explain_cache_misses = False
-
-
-@contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -36,13 +27,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_default_dtype_change_retraces_as_eager(caplog: pytest.LogCaptureFixture) -> None:
     def f(x: torch.Tensor, s: float) -> torch.Tensor:
         return x + torch.ones(3) * s  # torch.ones and the float's 0-d tensor take the default dtype
 
     jf = pf.jit(f, backend="eager")
     x = torch.ones(3)
-    with _explaining(), caplog.at_level(logging.WARNING, logger="pt3func.jit"):
+    with caplog.at_level(logging.WARNING, logger="pt3func.jit"):
         assert jf(x, 2.0).dtype == torch.float32
         with _default_dtype(torch.float64):
             got, want = jf(x, 2.0), f(x, 2.0)
@@ -53,13 +45,14 @@ def test_default_dtype_change_retraces_as_eager(caplog: pytest.LogCaptureFixture
     assert "default_dtype" in caplog.text and "float64" in caplog.text
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_strict_donation_refusal_then_retry_does_not_trace_again(caplog: pytest.LogCaptureFixture) -> None:
     def step(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return (p * x).sum()  # no output can take p's buffer: an unused donation
 
     js = pf.jit(step, donate_argnums=0, backend="eager")
     p, x = torch.randn(4), torch.randn(4)
-    with _explaining(), caplog.at_level(logging.WARNING, logger="pt3func.jit"):
+    with caplog.at_level(logging.WARNING, logger="pt3func.jit"):
         pf.config.strict_donation = True
         try:
             with pytest.raises(pf.DonationError):
@@ -74,6 +67,7 @@ def test_strict_donation_refusal_then_retry_does_not_trace_again(caplog: pytest.
     assert "tracing again" not in caplog.text
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_interrupted_compile_is_retried_from_an_untouched_trace(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -94,7 +88,7 @@ def test_interrupted_compile_is_retried_from_an_untouched_trace(
     monkeypatch.setattr(stages, "compile_program", interrupted)
     js = pf.jit(step, backend="eager")
     p, x = torch.randn(4), torch.randn(4)
-    with _explaining(), caplog.at_level(logging.WARNING, logger="pt3func.jit"):
+    with caplog.at_level(logging.WARNING, logger="pt3func.jit"):
         with pytest.raises(KeyboardInterrupt):
             js(p, x)
         got = js(p, x)
@@ -128,12 +122,13 @@ def test_misspelt_config_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     assert pf.config.strict_donation is True
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_bare_out_shardings_follow_the_current_mesh(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.arange(8 * 4.0).reshape(8, 4)
     f = pf.jit(lambda v: v * 3, out_shardings=P("dp"), backend="eager")
     a = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
     d = pf.make_mesh((4, 1), ("dp", "tp"), virtual=True)
-    with _explaining(), caplog.at_level(logging.WARNING, logger="pt3func.jit"):
+    with caplog.at_level(logging.WARNING, logger="pt3func.jit"):
         for mesh in (a, d, a):
             with pf.set_mesh(mesh):
                 out = f(x)

@@ -49,6 +49,7 @@ def test_broadcastable_gradient_shape_is_refused_not_broadcast():
         pf.optim.apply_updates(params, {"w": torch.randn(4, 4)})
 
 
+@pytest.mark.usefixtures("explain_misses")
 def test_hooks_registered_or_removed_after_the_trace_trace_again(caplog):
     # A trace runs the hooks registered then; a program that kept a hook's effect after its removal (or missed a
     # new one) is not eager PyTorch's. Both programs are kept, as for train / eval modes.
@@ -58,7 +59,7 @@ def test_hooks_registered_or_removed_after_the_trace_trace_again(caplog):
     step = pf.jit(lambda x: model(x).sum(), backend="eager")
     plain = step(x)
     handle = model[1].register_forward_hook(lambda m, args, out: out * 2)
-    with _explaining(), caplog.at_level("INFO", logger="pt3func.jit"):
+    with caplog.at_level("INFO", logger="pt3func.jit"):
         hooked = step(x)
     torch.testing.assert_close(hooked, model(x).sum())
     assert not torch.allclose(hooked, plain)
@@ -74,11 +75,3 @@ def test_hooks_registered_or_removed_after_the_trace_trace_again(caplog):
     torch.testing.assert_close(step(x), plain)
     assert step.trace_count() == 3
 
-
-class _explaining:
-    def __enter__(self):
-        self.was = pf.config.explain_cache_misses
-        pf.config.explain_cache_misses = True
-
-    def __exit__(self, *exc):
-        pf.config.explain_cache_misses = self.was
