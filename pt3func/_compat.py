@@ -53,6 +53,11 @@ def is_plain_shard(placement: object) -> bool:
     return type(placement) is Shard
 
 
+def is_strided_shard(placement: object) -> bool:
+    """True for a `_StridedShard` (private to torch; a `Shard` subclass in some versions, not in others)."""
+    return type(placement).__name__ == "_StridedShard"
+
+
 def dtensor_spec(device_mesh: Any, placements: tuple, shape: torch.Size, stride: tuple[int, ...],
                  dtype: torch.dtype) -> Any:
     """The DTensorSpec of a DTensor with this layout (build once, share between DTensors: specs are immutable,

@@ -30,7 +30,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from pt3func import analysis
-from pt3func._compat import dtensor_spec, dtensor_with_spec, is_plain_shard
+from pt3func._compat import dtensor_spec, dtensor_with_spec, is_plain_shard, is_strided_shard
 from pt3func.spmd.agreement import check_ranks_agree, multi_process_world
 from pt3func.trace.source import node_location
 
@@ -201,7 +201,7 @@ def resolve_partial(x: DTensor) -> tuple:
     Every output then has a PartitionSpec (as every jitted output in JAX has a NamedSharding): a _StridedShard has
     none, so `pf.sharding_of`, `visualize_sharding` and checkpoints could not handle it.
     """
-    strided = [p.dim for p in x.placements if _is_strided(p)]
+    strided = [p.dim for p in x.placements if is_strided_shard(p)]
     if len(strided) != len(set(strided)):
         # One dim strided over several axes: torch's redistribute cannot gather it (it asserts "no flattened
         # transforms"; gathered one axis at a time, the values come out wrong), as eager DTensor cannot: the
@@ -213,16 +213,11 @@ def resolve_partial(x: DTensor) -> tuple:
             out.append(p)
         elif isinstance(p, Partial):
             out.append(Replicate())
-        elif _is_strided(p) and p.split_factor == 1:
+        elif is_strided_shard(p) and p.split_factor == 1:
             out.append(Shard(p.dim))
         else:
             out.append(Replicate())
     return tuple(out)
-
-
-def _is_strided(p: Any) -> bool:
-    """A `_StridedShard` (a `Shard` subclass in some torch versions, not in others)."""
-    return type(p).__name__ == "_StridedShard"
 
 
 def on_whole_values(func: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh: Any) -> DTensor:

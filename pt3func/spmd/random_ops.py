@@ -44,14 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from pt3func._compat import is_plain_shard
+from pt3func._compat import is_plain_shard, is_strided_shard
 from pt3func.trace.source import describe, is_user_file
 
 _FUSED_DROPOUT_DEVICES = ("cuda", "xpu")  # where torch's dropout takes native_dropout (at::dropout)
-
-
-def _is_strided_shard(placement: object) -> bool:
-    return type(placement).__name__ == "_StridedShard"  # private to torch, not a `Shard` in every version
 
 
 Block = Callable[[torch.Tensor], torch.Tensor]
@@ -62,7 +58,7 @@ def _block(t: DTensor, partial_ok: bool = False) -> Block | None:
     pt3func leaves the draw to DTensor. With `partial_ok`, a pending sum's mesh dims take the whole value (each
     rank holds a term of all of it)."""
     placements = t.placements
-    if not any(isinstance(p, Shard) or _is_strided_shard(p) or (partial_ok and p.is_partial()) for p in placements):
+    if not any(isinstance(p, Shard) or is_strided_shard(p) or (partial_ok and p.is_partial()) for p in placements):
         return None  # replicated: every rank draws the whole value already
     mesh = t.device_mesh
     coordinate = mesh.get_coordinate()
@@ -76,7 +72,7 @@ def _block(t: DTensor, partial_ok: bool = False) -> Block | None:
         if p.is_replicate() or (partial_ok and p.is_partial()):
             continue
         n = mesh.size(mesh_dim)
-        if _is_strided_shard(p):
+        if is_strided_shard(p):
             # The dim seen as (split_factor, n, rest): the rank holds index `coordinate` of the middle, for each
             # of the split_factor chunks (a sequence split flattened into (batch * seq, d)).
             factor = int(p.split_factor)
