@@ -77,6 +77,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--warm-q", type=int, default=0,
         help="powersgd: during the dense steps, power-iterate Q on the exchanged mean (no bytes: every rank has it), "
              "so compression starts from the gradient's leading directions instead of a random Q")
+    add("--scaled", type=float, default=0.0,
+        help="powersgd: approximate D_r^-1 M D_c^-1 instead of M, D the row and column means of a second moment to "
+             "this power / 2 (1: Adam's update metric under Adafactor's rank-1 factoring of v; a diagonal scaling "
+             "keeps the rank, so the bytes are rank r's; 0: off)")
+    add("--scaled-src", choices=("adam", "ema"), default="adam",
+        help="--scaled: the optimizer's v (every rank has it), or the exchange's own EMA (decay b2) of the squared "
+             "exchanged mean (what a format can keep without the optimizer)")
     add("--dense", type=int, default=0, help="uncompressed first steps")
     add("--ramp", type=int, default=0, help="top-k: DGC's sparsity warm-up (25%%, 6.25%%, ...) over this many steps")
     add("--ef", type=int, default=1, help="error feedback (0: off)")
@@ -140,6 +147,7 @@ class Sim:
         per_rank = lambda: [[torch.zeros(s) for s in self.shapes] for _ in range(self.world)]  # noqa: E731
         self.residual, self.estimate, self.local_mom, self.local_nu = per_rank(), per_rank(), per_rank(), per_rank()
         self.global_estimate = [z.clone() for z in zeros]
+        self.nu = [z.clone() for z in zeros]  # --scaled-src ema: EMA of the squared exchanged mean
         self.m, self.v = [z.clone() for z in zeros], [z.clone() for z in zeros]
         self.v_frozen: list[torch.Tensor] | None = None
         gen = torch.Generator().manual_seed(123)
@@ -258,6 +266,16 @@ class Sim:
         self.q[i] = q
         return p @ q.t() / self.world, p, q_local
 
+    def scaling(self, i: int, rows: int, cols: int) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """--scaled: row and column factors D_r (rows x 1), D_c (1 x cols) of leaf i's second moment (1, 1: off)."""
+        if not self.a.scaled:
+            return 1.0, 1.0
+        v = (self.v[i] if self.a.scaled_src == "adam" else self.nu[i]).reshape(rows, cols)
+        floor = float(v.mean()) * 1e-4 + 1e-30  # a row or column that has seen no gradient yet
+        d_r = (v.mean(1, keepdim=True) + floor) ** (self.a.scaled / 2)
+        d_c = (v.mean(0, keepdim=True) + floor) ** (self.a.scaled / 2)
+        return d_r, d_c
+
     def global_topk(self, t: int, idx_c: list[int], vs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Per rank, one top-k over its vectors `vs[r]` (one per leaf in `idx_c`) laid end to end, with EF (the
         unsent part becomes the residual): the ranks' mean, per leaf (Shi et al. 2019's global top-k)."""
@@ -335,6 +353,7 @@ class Sim:
                 diffs = [self.local_mom[r][i] - self.estimate[r][i] for r in range(world)]
             elif t < a.dense:
                 out.append(sum(g) / world)
+                self.nu[i] = self.nu[i] * a.b2 + (1 - a.b2) * out[-1] * out[-1]
                 if a.warm_q and a.fmt == "powersgd":
                     rows, cols = self.matrix(i)
                     self.powersgd(i, [out[-1].reshape(rows, cols)])
@@ -350,13 +369,16 @@ class Sim:
             else:
                 rows, cols = self.matrix(i)
                 ms = [d.reshape(rows, cols) for d in diffs]
-                mean, p, q_local = self.powersgd(i, ms)
+                d_r, d_c = self.scaling(i, rows, cols)
+                mean, p, q_local = self.powersgd(i, [m / d_r / d_c for m in ms])
+                mean = mean * d_r * d_c
                 for r in range(world):
                     if keep:
-                        self.residual[r][i] = (ms[r] - p @ q_local[r].t()).view(s)
+                        self.residual[r][i] = (ms[r] - (p @ q_local[r].t()) * d_r * d_c).view(s)
                     if a.ef21:
-                        self.estimate[r][i] = self.estimate[r][i] + (p @ q_local[r].t()).view(s)
+                        self.estimate[r][i] = self.estimate[r][i] + ((p @ q_local[r].t()) * d_r * d_c).view(s)
             mean = mean.view(s)
+            self.nu[i] = self.nu[i] * a.b2 + (1 - a.b2) * mean * mean
             if a.ef21:
                 self.global_estimate[i] = self.global_estimate[i] + mean
                 mean = self.global_estimate[i].clone()
