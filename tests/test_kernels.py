@@ -551,9 +551,17 @@ def test_cpu_lowering_is_not_in_inductors_global_table():
     ops = torch.ops.pt3func
     assert ops.quantize_blockwise.default not in decompositions
     assert ops.dequantize_blockwise.default not in decompositions
-    assert _decompositions([torch.empty(3)])[ops.quantize_blockwise.default] is not None
+    quantising, plain = torch.fx.Graph(), torch.fx.Graph()
+    x = quantising.placeholder("x")
+    quantising.output(quantising.call_function(ops.quantize_blockwise.default, (x, 8, 256, None, False, 0)))
+    y = plain.placeholder("y")
+    plain.output(plain.call_function(torch.ops.aten.neg.default, (y,)))
+    quantising, plain = (torch.fx.GraphModule(torch.nn.Module(), g) for g in (quantising, plain))
+    assert _decompositions(quantising, [torch.empty(3)])[ops.quantize_blockwise.default] is not None
+    # A program without the ops gets Inductor's default table, which its FX graph cache can key.
+    assert _decompositions(plain, [torch.empty(3)]) is None
     with torch.device("meta"):
-        assert _decompositions([torch.empty(3)]) is None  # not a CPU program: Inductor's default table
+        assert _decompositions(quantising, [torch.empty(3)]) is None  # not a CPU program: Inductor's default table
 
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -26,7 +27,10 @@ def compile_program(
     gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], backend: str
 ) -> Callable[..., Sequence]:
     """Return `run(*flat_inputs) -> flat outputs` for `gm` with the chosen backend."""
-    if backend == "eager":
+    if backend == "eager" or (backend == "inductor" and _only_meta(example_inputs)):
+        # A program over meta tensors (a shape-only dry run) computes nothing, so compiling it buys nothing, and
+        # Inductor's constant folding fails on meta values (an FX "used before defined" error; `torch.compile`
+        # too): it runs as the eager backend's program.
         return reshape_unwritten_views(gm)
     if backend == "inductor":
         from torch._inductor import config as inductor_config
@@ -43,9 +47,15 @@ def compile_program(
         gm = scale_products_before_adding(fill_fresh_buffers_in_one_op(zeros_for_efficient_zeros(gm)))
         if "accumulate_in_place" not in config.disabled_passes:
             gm = accumulate_in_place(gm)  # mutation only here: the passes before Inductor reorder by data flow
-        with TRACE_LOCK, inductor_config.patch(options):
-            return compile_fx(gm, list(example_inputs), decompositions=_decompositions(example_inputs))
+        decompositions = _decompositions(gm, example_inputs)
+        with TRACE_LOCK, inductor_config.patch(options), _cacheable_compile():
+            return compile_fx(gm, list(example_inputs), decompositions=decompositions, ignore_shape_env=True)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _only_meta(example_inputs: Sequence[torch.Tensor]) -> bool:
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(x.device.type == "meta" for x in tensors)
 
 
 def zeros_for_efficient_zeros(gm: fx.GraphModule) -> fx.GraphModule:
@@ -113,11 +123,33 @@ def bucket_collectives(gm: fx.GraphModule) -> bool:
     return on_cuda and sharded
 
 
-def _decompositions(example_inputs: Sequence[torch.Tensor]) -> dict | None:
-    """Inductor's decompositions, plus pt3func's quantisation ops lowered to aten for a program on the CPU
-    (fused C++ instead of an op-by-op reference); None (Inductor's default table) for any other program."""
+@contextlib.contextmanager
+def _cacheable_compile() -> Iterator[None]:
+    """Let Inductor's FX graph cache serve `compile_fx` called outside Dynamo.
+
+    The cache refuses a graph compiled without a tracing context whose fake mode has a `ShapeEnv` ("No shape
+    env"), which is how pt3func calls Inductor: every program compiled from scratch, in every process and on each
+    rank thread of a virtual mesh (four times over for a 2 x 2 mesh, though the ranks' programs are the same). So
+    the compile runs in a fresh context with an empty `ShapeEnv`; `compile_fx(ignore_shape_env=True)` keeps the
+    inputs' shapes static (as without it), so the env never gains a symbol or a guard. The cache key is the
+    graph after pt3func's passes, its inputs' metadata, Inductor's config and torch's version, so a hit is the
+    program a compile would have made."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    context = torch._guards.TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
+    with torch._guards.tracing(context):
+        yield
+
+
+def _decompositions(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> dict | None:
+    """Inductor's decompositions, plus pt3func's quantisation ops lowered to aten for a program on the CPU that
+    calls them (fused C++ instead of an op-by-op reference); None (Inductor's default table) for any other
+    program: a table of our own makes Inductor's FX graph cache refuse the program (it cannot key the table)."""
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     if not tensors or any(x.device.type != "cpu" for x in tensors):
+        return None
+    if not any(getattr(node.target, "namespace", None) == "pt3func" for node in gm.graph.nodes):
         return None
     from torch._inductor.decomposition import select_decomp_table
 

@@ -1,0 +1,73 @@
+"""Inductor's FX graph cache serves pt3func's programs (session 17): before, every compile bypassed it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import pt3func as pf
+
+
+def _step(params: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loss, grads = pf.value_and_grad(lambda p: torch.tanh(x @ p["w"] + p["b"]).square().mean())(params)
+    return loss, pf.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def test_a_program_compiled_again_comes_from_inductors_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold cache of this test's own
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    x = torch.randn(4, 5)
+    before = dict(counters["inductor"])
+
+    first = pf.jit(_step, backend="inductor")(params, x)
+    second = pf.jit(_step, backend="inductor")(params, x)  # another Jitted: its own trace, the same program
+
+    def delta(name: str) -> int:
+        return counters["inductor"][name] - before.get(name, 0)
+
+    assert delta("fxgraph_cache_bypass") == 0
+    assert delta("fxgraph_cache_miss") == 1
+    assert delta("fxgraph_cache_hit") == 1
+    eager = _step(params, x)
+    for out in (first, second):
+        torch.testing.assert_close(out, eager)
+
+
+def test_cached_program_keeps_static_shapes_and_its_analysis(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile's ShapeEnv stays empty (another batch size is another program, not a symbolic one), and a
+    program from the cache has the generated code and memory analysis of a fresh compile."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    step = pf.jit(_step, backend="inductor")
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    for rows in (4, 6, 4):
+        x = torch.randn(rows, 5)
+        torch.testing.assert_close(step(params, x), _step(params, x))
+    assert step.trace_count() == 2
+
+    x = torch.randn(6, 5)
+    fresh = step.lower(params, x).compile()
+    cached = pf.jit(_step, backend="inductor").lower(params, x).compile()
+    assert cached.generated_code() is not None
+    assert cached.generated_code() == fresh.generated_code()
+    assert re.search(r"\bs\d+\b", fresh.generated_code()) is None  # no symbolic size (s0, s1, ...)
+    assert cached.memory_analysis() == fresh.memory_analysis()
+
+
+def test_a_step_over_meta_tensors_runs_under_the_default_backend() -> None:
+    """A shape-only dry run: Inductor's constant folding failed on meta values (torch's, `torch.compile` too)."""
+    opt = pf.optim.adamw(1e-2)
+
+    def step(p: torch.Tensor, state: tuple, x: torch.Tensor) -> tuple:
+        g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
+        updates, state = opt.update(g, state, p)
+        return pf.optim.apply_updates(p, updates), state
+
+    p, x = torch.randn(8, 3, device="meta"), torch.randn(4, 8, device="meta")
+    state = opt.init(p)
+    new_p, new_state = pf.jit(step)(p, state, x)
+    want_p, want_state = step(p, state, x)
+    assert new_p.device.type == "meta" and new_p.shape == want_p.shape
+    assert [t.shape for t in pf.tree.leaves(new_state)] == [t.shape for t in pf.tree.leaves(want_state)]
