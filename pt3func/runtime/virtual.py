@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import math
 import operator
+import os
 import queue
 import sys
 import threading
@@ -52,6 +53,8 @@ class VirtualWorld:
     so a dropped virtual mesh frees its threads and what they held."""
 
     _installed = False
+    # Set in a forked child (`_after_fork`): the rank threads are the parent's, and a job would wait for them forever.
+    _forked = False
 
     def __init__(self, size: int, timeout: timedelta | None = None) -> None:
         _install()
@@ -70,6 +73,7 @@ class VirtualWorld:
         # Not at interpreter exit: the daemon threads die with the process, and tearing down process groups while
         # the interpreter shuts down could fail in ways nobody can act on.
         weakref.finalize(self, _stop, self._jobs, self._threads).atexit = False
+        _WORLDS.add(self)
         # Each rank's init_process_group wraps the process's sys.excepthook to prefix "[rankN]:" to tracebacks;
         # in one process that stacks N prefixes per virtual mesh on every later uncaught error. Keep the user's.
         excepthook = sys.excepthook
@@ -90,6 +94,8 @@ class VirtualWorld:
         in tracing or sharding is raised by all of them alike; an error on one rank only stops the others (see
         `_wait`). Callers are served one at a time (see _RUN_LOCK).
         """
+        if self._forked:
+            raise ShardingError(_forked_message(f"a virtual mesh of {self.size} ranks"))
         if in_rank_thread() or getattr(_CALLER, "running", False):
             # A rank thread: its world's job is running (this thread is part of it), so waiting for that world
             # would hang, and another world's collectives would meet its own. The caller's thread, re-entered
@@ -193,6 +199,43 @@ class VirtualWorld:
                 "differs by rank?), or a rank much slower than the others (raise make_mesh's timeout)"
             )
         return results
+
+
+def _forked_message(what: str) -> str:
+    return (
+        f"{what} was made before this process was forked (multiprocessing's 'fork' start method, a DataLoader "
+        "worker): its ranks are threads of the parent process, which a forked child does not have, so it cannot run "
+        "here. Make the mesh in the child (pf.make_mesh(..., virtual=True)), or start the child with the 'spawn' "
+        "method (multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn'))"
+    )
+
+
+# Every virtual world of the process, for `_after_fork`.
+_WORLDS: weakref.WeakSet[VirtualWorld] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a forked child: the virtual worlds made before the fork cannot run (their rank threads are the parent's), so
+    using them raises, where it waited forever; the run lock (held by a parent thread that waited for a job?) and the
+    threaded process groups' collectives (half-joined by the parent's ranks?) are made fresh, so that the child can
+    make a virtual mesh of its own."""
+    for world in list(_WORLDS):
+        world._forked = True
+    if getattr(_CALLER, "running", False) or in_rank_thread():
+        return  # forked from inside a job: this thread holds the lock, and the collectives are its world's
+    _RUN_LOCK._at_fork_reinit()
+    _ABANDONED.clear()
+    _ENDING.clear()
+    if VirtualWorld._installed:
+        from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+        ProcessLocalGroup._coll_lock = threading.Lock()
+        ProcessLocalGroup._cur_coll_on_pgs = {}
+        ProcessLocalGroup._terminate = threading.Event()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows)
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 # Jobs whose caller stopped waiting after telling their ranks to stop: (replies queue, ranks still running). torch's
@@ -385,6 +428,9 @@ class VirtualMesh(Mesh):
         """Run `job(rank)` in every rank thread, with this mesh as the current mesh there."""
         from pt3func.sharding.mesh import set_mesh
 
+        if self.world._forked:
+            raise ShardingError(_forked_message(repr(self)))
+
         def with_mesh(rank: int) -> Any:
             _LOCAL.mesh = self  # named by rank_mesh's error when another virtual mesh is used here
             try:
@@ -449,7 +495,30 @@ class VirtualArray:
         return VirtualArray(self.mesh, self.mesh.run(lambda rank: _copy_tensor(self.locals[rank])))
 
     def __repr__(self) -> str:
+        from pt3func.runtime.donated import is_donated
+
+        # Donated to a step: printing it (a params dict in a notebook) must not raise, as a donated tensor's repr
+        # does not; every rank's value was donated by the one call.
+        if is_donated(self.locals[0]):
+            return f"VirtualArray(<donated to {getattr(self.locals[0], '_pt3func_donated', 'a jitted step')}>)"
         return f"VirtualArray(shape={tuple(self.shape)}, dtype={self.dtype}, placements={self.placements})"
+
+    def __copy__(self) -> VirtualArray:
+        # copy.copy would otherwise go through `__reduce__`, which refuses: a new handle on the same per-rank values.
+        return VirtualArray(self.mesh, list(self.locals))
+
+    def __reduce__(self) -> Any:
+        # Refused, naming the array: pickling the values of the rank threads failed inside the mesh (its HashStore),
+        # naming no pt3func object. Not pickled as its gathered full tensor: a load would give a plain tensor where a
+        # sharded array was saved (the whole of it in one process, however large), where torch.save on a real world
+        # saves each rank's own shard, and pf.checkpointing saves a virtual mesh's arrays per rank.
+        import pickle
+
+        raise pickle.PicklingError(
+            f"{self!r} lives in the rank threads of a virtual mesh ({self.mesh!r}) and cannot be pickled "
+            "(torch.save, pickle, multiprocessing). Gather it into a plain tensor first with pf.device_get(tree), "
+            "or save the sharded tree with pf.checkpointing.CheckpointManager(directory).save(step, tree)"
+        )
 
     # Eager ops. Code written for a real world applies torch to its DTensors outside any jitted step
     # (`opt.init(params)`, `params["w"] * 2`, `x.float()`); each process runs that op on its own DTensor. Here every

@@ -80,6 +80,65 @@ def _is_data_dependent(exc: BaseException) -> bool:
 # matters for the virtual mesh, whose ranks are threads of one process.
 TRACE_LOCK = threading.RLock()
 
+# The names of the steps this thread traces now, innermost last (a jitted step inlined in another's trace nests).
+# The guards below patch torch process-wide, but act only in a tracing thread: another thread's eager code (a
+# training loop printing metrics, calling loss.backward() or torch.manual_seed while a background thread compiles
+# an eval step) is not inside any step.
+_TRACING = threading.local()
+
+# Undo functions of what the traces running now patched, outermost first: a child forked meanwhile (a DataLoader
+# worker started while another thread traces) has no tracing thread to put the originals back (`_after_fork`).
+_UNDO: list[Callable[[], None]] = []
+
+
+def _in_trace() -> bool:
+    """Whether the calling thread runs inside a trace: its own, or a trace's backward that autograd runs in a device
+    thread (fake CUDA tensors), which has the tracing thread's proxy mode but not its thread-local state."""
+    if getattr(_TRACING, "names", None):
+        return True
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
+@contextlib.contextmanager
+def _tracing_in_this_thread(fn_name: str) -> Iterator[None]:
+    names = getattr(_TRACING, "names", None)
+    if names is None:
+        names = _TRACING.names = []
+    names.append(fn_name)
+    try:
+        yield
+    finally:
+        names.pop()
+
+
+@contextlib.contextmanager
+def _undone_in_forked_child(undo: Callable[[], None]) -> Iterator[None]:
+    """Run `undo` on exit; registered meanwhile, so a child forked inside the block runs it too (`_after_fork`)."""
+    _UNDO.append(undo)
+    try:
+        yield
+    finally:
+        undo()
+        _UNDO.remove(undo)
+
+
+def _after_fork() -> None:
+    """In a child forked while another thread of the parent traced: that thread does not exist here, so put back what
+    its trace patched (the child's own eager code and traces see torch's functions) and free TRACE_LOCK, which it
+    held. A child forked by the thread holding the lock (inside the step) is left as it is: its trace goes on."""
+    if getattr(_TRACING, "names", None) or TRACE_LOCK._is_owned():
+        return
+    for undo in reversed(_UNDO):
+        undo()
+    _UNDO.clear()
+    TRACE_LOCK._at_fork_reinit()  # in place: other modules imported the lock object itself
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows)
+    os.register_at_fork(after_in_child=_after_fork)
+
 _FIX_CONTROL_FLOW = (
     "A jitted step is traced once into a static program, so it cannot branch in Python on a tensor's "
     "value. Use torch.where / masking, or pass the value as a static argument (static_argnums / "
@@ -96,6 +155,8 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
         original = originals[name]
 
         def method(self: torch.Tensor, *args: object, **kwargs: object) -> str:
+            if not _in_trace():
+                return original(self, *args, **kwargs)
             caller = sys._getframe(1)
             while caller.f_back is not None and is_stdlib_file(caller.f_code.co_filename):
                 caller = caller.f_back  # pprint, logging, reprlib formatting it for the user
@@ -110,26 +171,23 @@ def _no_printing_traced_tensors(fn_name: str) -> Iterator[None]:
 
         return method
 
-    for name in originals:
-        setattr(torch.Tensor, name, guarded(name))
-    try:
+    with _attributes_replaced([(torch.Tensor, name, guarded(name)) for name in originals]):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 @contextlib.contextmanager
 def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Set each `(owner, name, value)` for the duration; the originals are put back after."""
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
-    for owner, name, value in replacements:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
+
+    def put_back() -> None:
         for owner, name, original in originals:
             setattr(owner, name, original)
+
+    with _undone_in_forked_child(put_back):
+        for owner, name, value in replacements:
+            setattr(owner, name, value)
+        yield
 
 
 _SEEDING = (("torch", "manual_seed"), ("torch.random", "manual_seed"), ("torch", "seed"), ("torch.random", "seed"),
@@ -154,6 +212,8 @@ def _no_reseeding(fn_name: str) -> Iterator[None]:
             continue
 
         def guarded(*args: object, _original: Callable = original, _attr: str = attr, **kwargs: object) -> object:
+            if not _in_trace():
+                return _original(*args, **kwargs)
             caller = sys._getframe(1)
             while caller.f_back is not None and is_stdlib_file(caller.f_code.co_filename):
                 caller = caller.f_back  # pprint, logging, reprlib formatting it for the user
@@ -240,6 +300,8 @@ def _no_backward(fn_name: str) -> Iterator[None]:
     def guarded(*args: object, **kwargs: object) -> object:
         # The nearest user frame is the caller, unless torch calls it on its own behalf on the way (a reentrant
         # checkpoint's or a custom Function's backward): those are left alone.
+        if not _in_trace():
+            return original(*args, **kwargs)
         frame = sys._getframe(1)
         while frame is not None and not is_user_file(frame.f_code.co_filename):
             if frame.f_code.co_filename.replace("\\", "/").endswith(_BACKWARD_CALLERS):
@@ -274,14 +336,15 @@ def _record_user_frames() -> Iterator[None]:
     def keep_user_frames(self: object, summary: traceback.StackSummary) -> traceback.StackSummary:
         return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
 
-    PythonKeyTracer._filter_traceback_frames = keep_user_frames
-    try:
-        yield
-    finally:
+    def put_back() -> None:
         if had_own:
             PythonKeyTracer._filter_traceback_frames = original
-        else:
+        elif "_filter_traceback_frames" in PythonKeyTracer.__dict__:
             del PythonKeyTracer._filter_traceback_frames
+
+    with _undone_in_forked_child(put_back):
+        PythonKeyTracer._filter_traceback_frames = keep_user_frames
+        yield
 
 
 @contextlib.contextmanager
@@ -467,9 +530,10 @@ def trace(
 ) -> torch.fx.GraphModule:
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
-        with TRACE_LOCK, _no_printing_traced_tensors(fn_name), _no_reseeding(fn_name), _no_backward(fn_name), \
-                _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name), \
-                _inlining_compiled_functions(), _anomaly_detection_off(fn_name), torch_checkpoint_as_regions():
+        with TRACE_LOCK, _tracing_in_this_thread(fn_name), _no_printing_traced_tensors(fn_name), \
+                _no_reseeding(fn_name), _no_backward(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced(), \
+                _TracedCallRules(fn_name), _inlining_compiled_functions(), _anomaly_nan_checks_off(fn_name), \
+                torch_checkpoint_as_regions():
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             def traced() -> torch.fx.GraphModule:
@@ -520,12 +584,15 @@ _warned_anomaly = False
 
 
 @contextlib.contextmanager
-def _anomaly_detection_off(fn_name: str) -> Iterator[None]:
-    """Trace with autograd's anomaly detection off, put back after.
+def _anomaly_nan_checks_off(fn_name: str) -> Iterator[None]:
+    """Trace with the NaN checks of autograd's anomaly detection off, put back after.
 
     Under `torch.autograd.set_detect_anomaly(True)` the autograd engine checks each backward output for NaN by
     reading its value (`isnan(t).any()` into Python): in a trace every step taking a gradient failed with a
     data-dependent-control-flow error blaming the user's code. A compiled program has no such checks anyway.
+
+    torch keeps anomaly mode for the whole process, not per thread: only `check_nan` is switched off (anomaly mode
+    itself stays on), so other threads keep the mode they set, but do not check for NaN while a trace runs.
     """
     global _warned_anomaly
     if not torch.is_anomaly_enabled():
@@ -539,7 +606,17 @@ def _anomaly_detection_off(fn_name: str) -> Iterator[None]:
             "function without pf.jit to hunt a NaN.",
             stacklevel=_user_stacklevel(),
         )
-    with torch.autograd.set_detect_anomaly(False):  # restores the user's mode (and check_nan) on exit
+    if not torch.is_anomaly_check_nan_enabled():
+        yield
+        return
+
+    def put_back() -> None:
+        # Only while the mode is the one set here: another thread may have set its own meanwhile.
+        if torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled():
+            torch.autograd.set_detect_anomaly(True, check_nan=True)
+
+    with _undone_in_forked_child(put_back):
+        torch.autograd.set_detect_anomaly(True, check_nan=False)
         yield
 
 

@@ -16,6 +16,7 @@ argument is not seen.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -76,6 +77,27 @@ def recording_called_modules() -> Iterator[Recording]:
                     nn.Module.train = _wrapped_train  # type: ignore[method-assign]
 
 
+def _after_fork() -> None:
+    """In a child forked while another thread of the parent recorded (a DataLoader worker started during a trace):
+    that thread does not exist here, so remove the global hook and the `train` patch it installed (every module
+    call of the child took the slow path), and free the lock, which it may have held."""
+    global _recorders, _hook
+    if getattr(_local, "recording", None) is not None:
+        return  # forked by the recording thread itself (inside the step): its trace goes on
+    _lock._at_fork_reinit()
+    if _recorders:
+        _recorders = 0
+        if _hook is not None:
+            _hook.remove()
+            _hook = None
+        if nn.Module.train is _train:
+            nn.Module.train = _wrapped_train  # type: ignore[method-assign]
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows)
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def _record(module: nn.Module, _args: Any) -> None:
     recording = getattr(_local, "recording", None)
     if recording is not None and id(module) not in recording.called:
@@ -117,8 +139,14 @@ class ModuleWatch:
                                    or m._backward_pre_hooks) else _with_hooks(m))
                for r in self._refs]
         if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]:
-            mine = _hook.id if _hook is not None else None  # a trace's own recording hook (a nested trace's key)
-            out.append(("global hooks", *(tuple(k for k in hooks if k != mine) for hooks in _GLOBAL_HOOKS)))
+            # Without pt3func's own recording hook, installed while any thread traces (a nested trace's key, another
+            # thread's trace, a virtual mesh's other rank): the key must not depend on whether a trace runs, or a
+            # cached step would trace again. Known by its function, not its handle: another thread may install or
+            # remove it meanwhile (and `tuple(items())` copies each dict at once, under the GIL).
+            others = tuple(tuple(k for k, hook in tuple(hooks.items()) if hook is not _record)
+                           for hooks in _GLOBAL_HOOKS)
+            if any(others):
+                out.append(("global hooks", *others))
         return tuple(out)
 
     def describe_change(self, old: tuple, new: tuple) -> str | None:
