@@ -74,6 +74,21 @@ class CheckpointManager:
         return (f"CheckpointManager({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
                 f"async_save={self.async_save})")
 
+    def __copy__(self) -> CheckpointManager:
+        # The manager itself: it is a handle on its directory, whose saves it orders (one in flight at a time)
+        # and prunes; a second manager of the same directory would race the first. `copy.deepcopy` of a trainer
+        # holding one (a snapshot, an EMA copy) then shares it, rather than failing on its background thread.
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CheckpointManager:
+        return self  # see __copy__
+
+    def __reduce__(self) -> tuple:
+        # Pickle would fail on "cannot pickle '_queue.SimpleQueue'" (its background thread), naming nothing of ours.
+        raise TypeError(f"{self!r} cannot be pickled: it owns a background writer thread and a process group of "
+                        f"this process; make a new one where it is needed: CheckpointManager({str(self.directory)!r}, "
+                        f"max_to_keep={self.max_to_keep}, async_save={self.async_save})")
+
     def _rank_managers(self, mesh: Any) -> list[CheckpointManager]:
         """One synchronous manager of this directory per rank thread of a virtual mesh (made in that thread, so
         its process group is of that rank's world)."""

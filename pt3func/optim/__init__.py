@@ -9,6 +9,8 @@ parts have the structure of the params. Everything traces into one static progra
     params = pf.optim.apply_updates(params, updates)
 """
 
+import torch
+
 from pt3func.optim import schedules
 from pt3func.optim.alias import adam, adamw, lion, sgd
 from pt3func.optim.base import (
@@ -48,6 +50,13 @@ from pt3func.optim.transform import (
     trace,
 )
 from pt3func.optim.wrappers import ApplyIfFiniteState, MultiSteps, MultiStepsState, apply_if_finite
+
+# The optimizer states are plain data (NamedTuples of tensors, ints and pytrees): allowed for torch.load's default
+# weights_only=True (torch >= 2.6), else `torch.load` of a `torch.save`d state fails naming an "unsupported global".
+torch.serialization.add_safe_globals([
+    EmptyState, ScaleByAdamState, ScaleByLionState, ScaleByScheduleState, TraceState, ApplyIfFiniteState,
+    MultiStepsState,
+])
 
 __all__ = [
     "ApplyIfFiniteState",

@@ -6,6 +6,7 @@ import atexit
 import itertools
 import math
 import os
+import sys
 import weakref
 from contextvars import ContextVar
 from datetime import timedelta
@@ -52,6 +53,25 @@ class Mesh:
         axes = ", ".join(f"{name}={size}" for name, size in zip(self.axis_names, self.shape))
         virtual = ", virtual=True" if self.virtual else ""
         return f"Mesh({axes}, device_type={self.device_type!r}{virtual})"
+
+    def __copy__(self) -> Mesh:
+        # The mesh itself: a copy would hold the same process groups under another identity, and shardings
+        # compare their meshes by identity (a NamedSharding on the copy would not equal one on the original).
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Mesh:
+        # As __copy__: copy.deepcopy of a model or trainer holding a mesh (or a NamedSharding) keeps the mesh;
+        # its process groups cannot be copied anyway.
+        return self
+
+    def __reduce__(self) -> tuple:
+        # Without this, pickle fails deep inside on "cannot pickle 'ProcessGroup'", naming no pt3func object.
+        if self.virtual:
+            raise TypeError(f"{self!r} cannot be pickled: its ranks are threads of this process; make it again "
+                            "with pf.make_mesh(..., virtual=True) where it is needed")
+        raise TypeError(f"{self!r} cannot be pickled: it holds this process's process groups, which exist only in "
+                        "this process and its world; rebuild it with pf.make_mesh(shape, axis_names) where it is "
+                        "needed (copy.copy / copy.deepcopy return the mesh itself)")
 
     def axes(self, axis_name: AxisNames) -> tuple[str, ...]:
         """`axis_name` as a tuple of known, distinct axis names (in the order given)."""
@@ -258,26 +278,53 @@ def _axis_name_tuple(shape: tuple[int, ...], axis_names: AxisNames) -> tuple[str
     return (axis_names,)
 
 
-_CURRENT: ContextVar[Mesh | None] = ContextVar("pt3func_mesh", default=None)
+# The current mesh: the ContextVar holds a `with pf.set_mesh(m)`'s (it overrides in its own context only); where
+# none is set, the setter form's process-wide default (`pf.set_mesh(m)` then a step called from a thread pool or a
+# DataLoader thread sees `m`: a new thread starts with an empty context).
+_UNSET = object()
+_CURRENT: ContextVar = ContextVar("pt3func_mesh", default=_UNSET)
+_DEFAULT: Mesh | None = None
 
 
 class set_mesh:  # noqa: N801 - used like a function
-    """Make `mesh` the current mesh. Works as a setter (`pf.set_mesh(m)`) and as a context manager
-    (`with pf.set_mesh(m): ...` restores the previous mesh on exit)."""
+    """Make `mesh` the current mesh. As a setter (`pf.set_mesh(m)`) for the whole process, every thread included;
+    as a context manager (`with pf.set_mesh(m): ...`) for the block's context (thread) only, restoring the previous
+    mesh on exit."""
 
     def __init__(self, mesh: Mesh | None) -> None:
+        global _DEFAULT
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"set_mesh expects a pf.Mesh (from pf.make_mesh), got {type(mesh).__name__}")
         self._mesh = mesh
-        self._token = _CURRENT.set(mesh)
+        self._token = None
+        self._previous: Mesh | None = None
+        # Not yet known whether this is the setter or a `with`: act as the setter until __enter__ says otherwise.
+        # A virtual mesh's rank thread (which runs its jobs under `with set_mesh(mesh)`) never sets the default.
+        self._set_default = not _in_rank_thread()
+        if self._set_default:
+            self._previous, _DEFAULT = _DEFAULT, mesh
+        if _CURRENT.get() is not _UNSET:  # inside a `with` of this context, whose mesh would hide the default
+            self._token = _CURRENT.set(mesh)
 
     def __enter__(self) -> Mesh | None:
+        global _DEFAULT
+        # The `with` form: the mesh is this context's only, so undo the default (unless another setter ran since).
+        if self._set_default and _DEFAULT is self._mesh:
+            _DEFAULT = self._previous
+        if self._token is None:
+            self._token = _CURRENT.set(self._mesh)
         return self._mesh
 
     def __exit__(self, *exc: object) -> None:
         _CURRENT.reset(self._token)
 
 
+def _in_rank_thread() -> bool:
+    virtual = sys.modules.get("pt3func.runtime.virtual")  # imports this module: not imported here
+    return virtual is not None and virtual.in_rank_thread()
+
+
 def get_mesh() -> Mesh | None:
     """The current mesh (from `set_mesh`), or None."""
-    return _CURRENT.get()
+    mesh = _CURRENT.get()
+    return _DEFAULT if mesh is _UNSET else mesh

@@ -315,7 +315,11 @@ def apply_in_shardings(
     for i, sharding in enumerate(shardings):
         if sharding is None or i in static_argnums:
             continue
-        paths, leaves, per_leaf, treedef = broadcast_shardings(args[i], sharding)
+        try:
+            paths, leaves, per_leaf, treedef = broadcast_shardings(args[i], sharding)
+        except ShardingError as exc:  # "not a pytree prefix ... at the root": name the argument it is the root of
+            label = labels[i] if labels and i < len(labels) else f"args[{i}]"
+            raise ShardingError(f"in_shardings of {label}: {exc}") from None
         placed = []
         for path, leaf, s in zip(paths, leaves, per_leaf):
             if s is None or not isinstance(leaf, torch.Tensor):
@@ -448,6 +452,7 @@ def _check_plain_inputs_agree(
     args: tuple, shardings: Sequence[Any], static_argnums: frozenset[int], labels: Sequence[str], agreed: tuple
 ) -> None:
     """Every plain tensor argument of the step, split (shapes must agree) or replicated (values too)."""
+    from pt3func.errors import ShardingError
     from pt3func.sharding.put import broadcast_shardings
     from pt3func.sharding.spec import NamedSharding
     from pt3func.tree import keystr, leaves
@@ -463,8 +468,11 @@ def _check_plain_inputs_agree(
         if i in static_argnums:
             continue
         sharding = shardings[i] if i < len(shardings) else None
-        paths, leaves, per_leaf, _ = broadcast_shardings(arg, sharding)
         label = labels[i] if labels and i < len(labels) else f"args[{i}]"
+        try:
+            paths, leaves, per_leaf, _ = broadcast_shardings(arg, sharding)
+        except ShardingError as exc:  # "not a pytree prefix ... at the root": name the argument it is the root of
+            raise ShardingError(f"in_shardings of {label}: {exc}") from None
         for path, leaf, s in zip(paths, leaves, per_leaf):
             if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
                 spec = s.spec if isinstance(s, NamedSharding) else s

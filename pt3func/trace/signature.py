@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pt3func import tree
 from pt3func.errors import TracingError
+from pt3func.runtime.virtual import in_rank_thread
 
 SCALAR_TYPES = (bool, int, float)
 
@@ -181,14 +183,32 @@ def leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         placement = getattr(leaf, "placements", None)
         if placement is not None:
-            # The mesh by identity: equal-looking meshes of different worlds (virtual ranks) are different programs.
-            return (type(leaf), leaf.shape, leaf.dtype, id(leaf.device_mesh), placement, _layout(leaf._local_tensor))
+            mesh_id = _mesh_id(leaf.device_mesh)
+            return (type(leaf), leaf.shape, leaf.dtype, mesh_id, placement, _layout(leaf._local_tensor))
         return (leaf.shape, leaf.dtype, leaf.device, _layout(leaf))
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)
     if isinstance(leaf, torch.nn.Module):  # a jitted method's `self`: what it reads of itself includes its mode
         return ("static", leaf, leaf.training)
     return ("static", leaf)
+
+
+# (DeviceMesh, its groups' names, the world) -> the first DeviceMesh seen with them. Kept alive: its id names that
+# value in signatures (and a dead mesh's id could be reused by another mesh).
+_MESH_BY_VALUE: dict[tuple, Any] = {}
+
+
+def _mesh_id(device_mesh: Any) -> int:
+    """The id a DTensor's mesh has in its signature. On a real world, that of the first equal mesh seen: copies
+    of a mesh (`copy.deepcopy` or `torch.load` of a DTensor gives it a new DeviceMesh) run the programs traced on
+    the original, not a new trace and compile per copy. Equal means the same ranks in the same layout, axis names
+    and device type (DeviceMesh's ==), the same process groups by name (the names a program's collectives take)
+    and the same world (group names are reused by a world started after one is destroyed). In a virtual mesh's
+    rank thread, the mesh itself: equal-looking meshes of different virtual worlds are different programs."""
+    if in_rank_thread():
+        return id(device_mesh)
+    value = (device_mesh, tuple(getattr(device_mesh, "_dim_group_names", None) or ()), dist.group.WORLD)
+    return id(_MESH_BY_VALUE.setdefault(value, device_mesh))
 
 
 def _layout(t: torch.Tensor, shape: torch.Size | None = None) -> tuple[int, ...]:
@@ -239,7 +259,7 @@ def describe_key(k: Any, strides: bool = False) -> str:
 
 def leaf_key_changes(labels: list[str], old: tuple, new: tuple) -> list[str]:
     """`label: before -> after` for each leaf whose signature key differs, in words; the strides are named where
-    nothing else differs, and "on another mesh" where not even they do (a signature names its mesh by identity)."""
+    nothing else differs, and "on another mesh" where not even they do (a signature names its mesh by `_mesh_id`)."""
     changes = []
     for label, a, b in zip(labels, old, new):
         if a != b:
