@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
 import numbers
+import os
 import pickle
+import sys
+import threading
 import types
 import warnings
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -48,7 +53,7 @@ from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.spmd.partial_sums import reducing_partial_sums
-from pt3func.stages import Compiled, Lowered, Program, refuse_donating_captured
+from pt3func.stages import Compiled, Lowered, Program, pair_rank_lowerings, refuse_donating_captured
 from pt3func.trace import capture
 from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
 from pt3func.trace.module_modes import (
@@ -103,6 +108,13 @@ class Jitted:
                 f"pf.jit: grad_exchange must be a pf.compress format (pf.compress.int8(), ...), got {grad_exchange!r}"
             )
         check_exchange_guard(exchange_guard)
+        # What a copy or an unpickled Jitted of another `fn` is made with (`__deepcopy__`, `__reduce__`).
+        self._options = dict(
+            in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums,
+            static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+            grad_exchange=grad_exchange, exchange_guard=exchange_guard, memory_budget=memory_budget, backend=backend,
+            cuda_graphs=cuda_graphs,
+        )
         self.fn = fn
         self.name = _name_of(fn)
         self._spec = ArgSpec.build(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
@@ -203,19 +215,36 @@ class Jitted:
             return self
         return types.MethodType(self, obj)
 
-    def __reduce__(self) -> str:
-        # Pickled by reference, as the function it decorates is (a module-level `@pf.jit def f`); its compiled
-        # programs are not picklable state.
-        name = getattr(self, "__qualname__", None)
-        if name is None:
-            raise pickle.PicklingError(f"pf.jit({self.name}) cannot be pickled: it wraps no named function")
-        return name
+    def __reduce__(self) -> Any:
+        # A module-level `@pf.jit def f` is pickled by reference, as the function it decorates is. Any other is
+        # rebuilt from its function and options (a bound method with its instance, a module with its weights, as
+        # pickle takes them): by name it would run the original object. Compiled programs are not picklable state.
+        if _named_global(self):
+            return self.__qualname__
+        if isinstance(self.fn, types.FunctionType) and "<" in self.fn.__qualname__:
+            raise pickle.PicklingError(
+                f"pf.jit({self.name}) cannot be pickled: it wraps a local function or lambda, which pickle cannot "
+                "name. Define the function at module level"
+            )
+        return _rebuild, (self.fn, self._options)
 
     def __copy__(self) -> Jitted:
-        return self  # as for a function
+        return self  # as for a function (a shallow copy would call the same function, on the same object)
 
     def __deepcopy__(self, memo: dict) -> Jitted:
-        return self  # as for a function: an object holding a step (a trainer) deep-copies its state, not its code
+        if isinstance(self.fn, types.FunctionType):
+            return self  # as for a function: an object holding a step (a trainer) deep-copies its state, not its code
+        # A bound method (`pf.jit(self.forward)`), a module (`pf.jit(model)`), a partial or callable object: its copy
+        # runs the copied object, as the plain bound method's copy would (returning self ran the original object:
+        # the copy's own weights were never read). Same options, a cache of its own (programs captured the original).
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied  # the copied fn may reach this Jitted again (an instance that holds its own step)
+        fn = copy.deepcopy(self.fn, memo)
+        if fn is self.fn:  # (a builtin): nothing to copy
+            memo[id(self)] = self
+            return self
+        copied.__init__(fn, **self._options)
+        return copied
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if get_proxy_mode() is not None:  # called from a step another pf.jit is tracing: inlined, as in jax.jit
@@ -229,9 +258,11 @@ class Jitted:
         if VirtualWorld._installed and not in_rank_thread():
             vmesh = find_mesh(args, kwargs) or mesh_of_shardings(self.in_shardings, self.out_shardings)
             if vmesh is not None:
-                self._donated_call_leaves: dict[int, str] = {}
-                out = virtual_call(vmesh, self, args, kwargs)
-                lower.invalidate_call_leaves((args, kwargs), self._donated_call_leaves)
+                # This call's own: the rank threads name the caller's tensors their placed copies donated (one
+                # attribute of the Jitted was reset by another thread's call in between, and those stayed readable).
+                donated: dict[int, str] = {}
+                out = virtual_call(vmesh, functools.partial(self._on_rank, donated), args, kwargs)
+                lower.invalidate_call_leaves((args, kwargs), donated)
                 return out
         replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
         given = (args, kwargs)
@@ -248,10 +279,15 @@ class Jitted:
                 "pf.jit(pf.grad(f)) (or pf.jit(pf.value_and_grad(f)))."
             )
         if compiled is None:
-            lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
-            key = _watched_key(key, lowered)  # keyed by the modes of the modules the trace called
-            compiled = self._compile(lowered, leaves, key)
-            self._cache[key] = compiled
+            # One thread traces and compiles a signature; others calling it meanwhile wait and run its program (each
+            # traced and compiled it again). Rank threads take no lock: each traces its own program.
+            with self._signature_lock(key):
+                key, compiled = self._compiled_meanwhile(key)
+                if compiled is None:
+                    lowered = self._lowered.pop(key, None) or self._lower_from(leaves, treedef, static, key)
+                    key = _watched_key(key, lowered)  # keyed by the modes of the modules the trace called
+                    compiled = self._compile(lowered, leaves, key)
+                    self._cache[key] = compiled
             if torch.is_grad_enabled() and _any_requires_grad(leaves):
                 warnings.warn(
                     f"{self.name}: called with tensors that require grad; the compiled program's outputs carry no "
@@ -302,20 +338,56 @@ class Jitted:
             raise
         return compiled
 
+    def _on_rank(self, donated: dict[int, str], /, *args: Any, **kwargs: Any) -> Any:
+        """A virtual call in one rank thread: `donated` is the caller's call's, which `_invalidate_replaced` fills."""
+        _RANK_CALL.donated = donated
+        try:
+            return self(*args, **kwargs)
+        finally:
+            _RANK_CALL.donated = None
+
+    def _signature_lock(self, key: tuple) -> Any:
+        """The lock under which one signature (the key but the modes of the modules its trace calls) is traced and
+        compiled; none in a virtual mesh's rank threads, which trace at once, each its own program (its signature
+        names its rank's mesh), and whose callers are served one at a time (`VirtualWorld.run`)."""
+        if in_rank_thread():
+            return contextlib.nullcontext()
+        with _LOCKS_GUARD:
+            locks = _SIGNATURE_LOCKS.get(self)
+            if locks is None:
+                locks = _SIGNATURE_LOCKS[self] = {}
+            # Reentrant: a thread compiling the signature that calls it again waits for nothing.
+            return locks.setdefault(key[:6], threading.RLock())
+
+    def _compiled_meanwhile(self, key: tuple) -> tuple[tuple, Compiled | None]:
+        """The signature's program if another thread compiled it while this one waited for its lock (under the
+        key with the modes of the modules its trace called, as `_key` finds it), else (key, None)."""
+        if in_rank_thread():
+            return key, None
+        base = key[:6]
+        for candidate in (key, *[base + ((watch, watch.modes()),) for watch in self._watches.get(base, ())]):
+            compiled = self._cache.get(candidate)
+            if compiled is not None:
+                return candidate, compiled
+        return key, None
+
     def _invalidate_replaced(self, replaced: list[tuple[torch.Tensor, torch.Tensor]], given: tuple) -> None:
         """A caller's tensor that in_shardings replaced by a placed copy is invalidated when the copy was donated;
-        in a virtual rank thread (the tensor a copy of the caller's), the caller's thread is told which."""
+        in a virtual rank thread (the tensor a copy of the caller's), the caller's call is told which."""
         if replaced:
             donated = lower.invalidate_donated_originals(replaced, given)
-            if donated and in_rank_thread():
-                self._donated_call_leaves = donated
+            target = getattr(_RANK_CALL, "donated", None)
+            if donated and target is not None and in_rank_thread():
+                target.update(donated)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (nothing is run, nothing is donated)."""
         if VirtualWorld._installed and not in_rank_thread():
             vmesh = find_mesh(args, kwargs) or mesh_of_shardings(self.in_shardings, self.out_shardings)
-            if vmesh is not None:  # every rank lowers its own program; rank 0's is shown
-                return vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))[0]
+            if vmesh is not None:  # every rank lowers its own program; rank 0's is shown, holding the others'
+                return pair_rank_lowerings(
+                    vmesh.run(lambda rank: self.lower(*scatter_tree(args, rank), **scatter_tree(kwargs, rank)))
+                )
         if self.in_shardings is not None:
             args, kwargs = lower.apply_in_shardings_to_call(
                 args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
@@ -669,6 +741,43 @@ def _backward_fence(setting: Any) -> Callable[[Any], Any]:
 
     keep_backward_in_backward_pass.__name__ = keep_backward_in_backward.__name__
     return keep_backward_in_backward_pass
+
+
+def _rebuild(fn: Callable[..., Any], options: dict[str, Any]) -> Jitted:
+    """An unpickled `Jitted` (see `Jitted.__reduce__`)."""
+    return Jitted(fn, **options)
+
+
+def _named_global(jitted: Jitted) -> bool:
+    """`jitted` is what its module's global of its qualified name holds (a module-level `@pf.jit def f`, or a
+    class's jitted method): pickle finds it again by name."""
+    name = getattr(jitted, "__qualname__", None)
+    found: Any = sys.modules.get(getattr(jitted, "__module__", None) or "")
+    if name is None or found is None or "<" in name:
+        return False
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    return found is jitted
+
+
+# A virtual call's rank thread: .donated, the caller's call's {leaf index: program} of its donated plain tensors.
+_RANK_CALL = threading.local()
+# Per Jitted, per signature: the lock its first call traces and compiles under (`Jitted._signature_lock`). Weak: a
+# dropped Jitted drops its locks.
+_SIGNATURE_LOCKS: weakref.WeakKeyDictionary[Jitted, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _locks_after_fork() -> None:
+    """In a forked child only the forking thread lives on: a lock another thread of the parent held (compiling a
+    signature) would stay held forever, and the child's first call of that signature would hang."""
+    global _SIGNATURE_LOCKS, _LOCKS_GUARD
+    _SIGNATURE_LOCKS = weakref.WeakKeyDictionary()
+    _LOCKS_GUARD = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows)
+    os.register_at_fork(after_in_child=_locks_after_fork)
 
 
 def _budget_fraction(memory_budget: Any) -> float | None:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,17 +71,21 @@ class Lowered:
         # Set by pf.jit where an exchange guard applies (pt3func/compress/guard.py): given this program compiled,
         # the switch that times it against the reference program and runs the one it keeps.
         self._make_switch: Callable[[Compiled], Any] | None = None
-        # Lowered in a virtual mesh's rank thread: that thread owns the process groups its collectives name, so it
-        # compiles there (Inductor resolves them), and every rank's program is found by (rank, sequence number).
-        self._virtual: tuple[Any, int, int] | None = None
+        # Lowered in a virtual mesh's rank thread: (world, rank). That thread owns the process groups its collectives
+        # name, so it compiles there (Inductor resolves them).
+        self._virtual: tuple[Any, int] | None = None
+        # Rank 0's Lowered that `Jitted.lower` hands the caller of a virtual mesh: every rank's Lowered of that one
+        # job (`pair_rank_lowerings`), so that its Compiled runs each rank's own program. Paired by the job itself:
+        # pairing the n-th Lowered of each rank thread ran another step's program on a rank that had lowered once
+        # more than the others (a retrace on one rank only).
+        self._ranks: list[Lowered] | None = None
         self._mesh = get_mesh()  # the mesh the step was lowered under: where Compiled places plain arguments
         world = getattr(virtual._LOCAL, "world", None)
         if world is not None:
-            rank = virtual._LOCAL.rank
-            seq = _next_rank_lowering()
-            with _RANK_LOCK:  # every rank thread registers at once
-                _RANK_LOWERINGS.setdefault(world, weakref.WeakValueDictionary())[(rank, seq)] = self
-            self._virtual = (world, rank, seq)
+            self._virtual = (world, virtual._LOCAL.rank)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickle, copy.copy and copy.deepcopy
+        raise _refuse_copy(self)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -143,7 +144,7 @@ class Lowered:
         if self._compiled is not None:
             return self._compiled
         if self._virtual is not None and not virtual.in_rank_thread():
-            world, rank, _ = self._virtual
+            world, rank = self._virtual
             return world.run(lambda r: self.compile() if r == rank else None)[rank]
         p = self._program
         examples = self._example_inputs
@@ -205,6 +206,9 @@ class Compiled:
         self._where = f"jitted '{p.name}'"
         self._warned = False
         self._switch: Any = None  # an exchange guard's ExchangeSwitch (pt3func/compress/guard.py), or None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickle, copy.copy and copy.deepcopy
+        raise _refuse_copy(self)
 
     def exchange_decision(self) -> Any:
         """The exchange guard's `ExchangeDecision` (compression kept or switched off, the step times, the reason);
@@ -309,19 +313,27 @@ class Compiled:
     def _call_virtual(self, args: tuple, kwargs: dict) -> Any:
         """Called outside a virtual mesh's rank threads: every rank runs its own program (lowered alongside this
         one, rank 0's) on its view of the arguments, as a jitted call there does; outputs are virtual arrays."""
-        world, _, seq = self.lowered._virtual
-        with _RANK_LOCK:
-            peers = _RANK_LOWERINGS.get(world, {})
-            per_rank = [peers.get((r, seq)) for r in range(world.size)]
+        world, _ = self.lowered._virtual
+        per_rank = self.lowered._ranks
         p = self._program
         mesh = virtual.find_mesh(args, kwargs) or self.lowered._mesh
-        if any(
-            q is None or q._program.name != p.name or q._program.key[:3] != p.key[:3] for q in per_rank
-        ) or not isinstance(mesh, virtual.VirtualMesh):
+        if per_rank is None or not isinstance(mesh, virtual.VirtualMesh):
             raise TracingError(
-                f"{p.name}: this Compiled is rank 0's program of a virtual mesh whose other ranks' programs are gone; "
-                "call the jitted function instead"
+                f"{p.name}: this Compiled is one rank's program of a virtual mesh, not one that `step.lower(*args)` "
+                "returned (which holds every rank's program); call the jitted function instead"
             )
+        if mesh.world is not world:
+            raise TracingError(
+                f"{p.name}: this Compiled was lowered for the ranks of another virtual mesh than {mesh!r}, which the "
+                "arguments live on; call the jitted function instead"
+            )
+        # Ranks given one Lowered (a signature that names no rank's own mesh: plain tensors under pf.set_mesh) compile
+        # it once, in its first rank's thread, before every rank runs it: not two compiles rewriting one graph.
+        first: dict[int, int] = {}
+        for r, q in enumerate(per_rank):
+            first.setdefault(id(q), r)
+        if len(first) < len(per_rank):
+            mesh.run(lambda r: per_rank[r].compile() if first[id(per_rank[r])] == r else None)
         outs = mesh.run(
             lambda r: per_rank[r].compile()(*virtual.scatter_tree(args, r), **virtual.scatter_tree(kwargs, r))
         )
@@ -408,18 +420,33 @@ class Compiled:
         return self._output_keys
 
 
-# Virtual meshes: per world, (rank, sequence number) -> each Lowered made in that rank thread. Every rank thread
-# lowers the same steps in the same order, so the n-th of each rank are one step's per-rank programs.
-_RANK_LOWERINGS: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary] = weakref.WeakKeyDictionary()
-_RANK_SEQ = threading.local()
-_RANK_LOCK = threading.Lock()
+def pair_rank_lowerings(per_rank: list[Lowered]) -> Lowered:
+    """Rank 0's Lowered of one `lower()` job on a virtual mesh (`per_rank`: each rank's, in rank order), holding
+    every rank's for its Compiled to run. Ranks that lowered another program than rank 0 are refused."""
+    first = per_rank[0]._program
+    for rank, lowered in enumerate(per_rank):
+        p = lowered._program
+        # The leaf keys name each rank's own DeviceMesh (by identity), so they differ by rank: their count is compared.
+        if p.name != first.name or p.key[:3] != first.key[:3] or len(p.key[3]) != len(first.key[3]):
+            raise TracingError(
+                f"{first.name}: virtual rank {rank} lowered another program ({p.name}, {len(p.key[3])} leaves) than "
+                f"rank 0 ({first.name}, {len(first.key[3])} leaves) for one `lower()` call; its ranks must lower the "
+                "same step for the same arguments. Call the jitted function instead"
+            )
+    per_rank[0]._ranks = list(per_rank)
+    return per_rank[0]
 
 
-def _next_rank_lowering() -> int:
-    counter = getattr(_RANK_SEQ, "counter", None)
-    if counter is None:
-        counter = _RANK_SEQ.counter = itertools.count()
-    return next(counter)
+def _refuse_copy(stage: Lowered | Compiled) -> TypeError:
+    """A Lowered / Compiled is not copied nor pickled: its program's graph keeps the trace's metadata (values, source
+    lines: a pickle drops them, and its analyses then read 0), fake tensors and process groups (a deep copy fails
+    on them) and a compiled runner (not picklable); a copy that runs would also no longer share captured tensors."""
+    name = stage._program.name
+    return TypeError(
+        f"{name}: a pf.jit {type(stage).__name__} cannot be pickled or copied (its traced graph, fake tensors, "
+        "process groups and compiled program do not survive a copy). Call `step.lower(*args)` (and `.compile()`) "
+        "again where it is needed, or copy the jitted function itself (copy.deepcopy(step))"
+    )
 
 
 def _signature_mismatch(p: Program, key: tuple) -> str:

@@ -263,8 +263,8 @@ def test_non_functions_are_not_bound_and_copy_as_themselves() -> None:
     torch.testing.assert_close(Holder().scaled(x), 2 * x)
     torch.testing.assert_close(Holder().neg(x), -x)
     assert copy.copy(Holder.scaled) is Holder.scaled
-    with pytest.raises(pickle.PicklingError, match="wraps no named function"):
-        pickle.dumps(Holder.scaled)
+    # Not by name (no module-level name points to it): rebuilt from the partial and the options (session 17).
+    torch.testing.assert_close(pickle.loads(pickle.dumps(Holder.scaled))(x), 2 * x)
 
 
 def test_a_jitted_helper_on_unbatched_values_inside_vmap_runs() -> None:
