@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 from collections.abc import Callable, Sequence
@@ -46,6 +47,26 @@ def _is_index(n: Any) -> bool:
     return isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy ints too
 
 
+def _short_name(fn: Any, attr: str = "__qualname__") -> str:
+    """`fn`'s name for errors. Never its repr: a `functools.partial`'s prints its bound arguments (a tensor's
+    values), a module's its whole architecture. A partial by its function, a module or callable object by its
+    type."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_short_name(fn.func, attr)})"
+    name = getattr(fn, attr, None)
+    if isinstance(name, str):
+        return name
+    return getattr(type(fn), attr, None) or type(fn).__name__
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """The signature a call of `fn` binds to. For an `nn.Module` that of its `forward` (bound: no `self`), not
+    `nn.Module.__call__`'s `(*args, **kwargs)`, which would leave every parameter name unknown."""
+    if isinstance(fn, torch.nn.Module) and type(fn).__call__ is torch.nn.Module.__call__:
+        return inspect.signature(fn.forward)
+    return inspect.signature(fn)
+
+
 @dataclass(frozen=True)
 class ArgSpec:
     """Which positional indices / keyword names are static and which are donated."""
@@ -58,6 +79,7 @@ class ArgSpec:
     # Takes **kwargs (or has no signature to tell): the order of its keyword arguments may matter (it may iterate
     # them), so it is part of the jit signature.
     var_keyword: bool = True
+    name: str = ""  # the function's short name, for errors
 
     @classmethod
     def build(
@@ -69,7 +91,7 @@ class ArgSpec:
         donate_argnames: str | Sequence[str],
     ) -> ArgSpec:
         try:
-            every = list(inspect.signature(fn).parameters.values())
+            every = list(_signature(fn).parameters.values())
         except (TypeError, ValueError):
             every = None
         params = None if every is None else [
@@ -80,7 +102,8 @@ class ArgSpec:
         names = tuple(p.name for p in params) if params is not None else ()
         positional = [p.name for p in params if p.kind != p.KEYWORD_ONLY] if params is not None else []
         nparams = len(positional) if params is not None else None
-        fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        fn_name = _short_name(fn)
+        short = _short_name(fn, "__name__")
         s_nums = set(_normalize(static_argnums, nparams, "static_argnums", fn_name))
         d_nums = set(_normalize(donate_argnums, nparams, "donate_argnums", fn_name))
         if nparams is not None and not var_positional:
@@ -88,7 +111,7 @@ class ArgSpec:
                 beyond = sorted(n for n in nums if n >= nparams)
                 if beyond:  # as in JAX: a silently ignored index would trace the argument (or never donate it)
                     raise ValueError(
-                        f"{what}={beyond} but {getattr(fn, '__name__', fn)} takes {nparams} positional arguments "
+                        f"{what}={beyond} but {short} takes {nparams} positional arguments "
                         f"({', '.join(positional)})"
                     )
         s_names = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
@@ -101,14 +124,15 @@ class ArgSpec:
             for name in list(nameset):
                 if name in positional:
                     nums.add(positional.index(name))
-                elif params is not None and name not in names:
-                    raise ValueError(f"{getattr(fn, '__name__', fn)} has no parameter named {name!r}")
+                elif params is not None and name not in names and not var_keyword:
+                    # With **kwargs any name may be passed (as JAX allows): static / donated when it is.
+                    raise ValueError(f"{short} has no parameter named {name!r}")
         both = (s_nums & d_nums) | (s_names & d_names)
         if both:
             raise ValueError(f"arguments {sorted(map(str, both))} cannot be both static and donated")
         return cls(
             frozenset(s_nums), frozenset(s_names), frozenset(d_nums), frozenset(d_names), tuple(positional),
-            var_keyword,
+            var_keyword, short,
         )
 
     def arg_label(self, where: Any) -> str:
@@ -315,11 +339,28 @@ def rebuild_call(treedef: Any, static: tuple, leaves: list[Any]) -> tuple[tuple[
     return tuple(args), kwargs
 
 
-def check_hashable(static: tuple, labels_for_static: Callable[[], list[str]]) -> None:
+def check_hashable(
+    static: tuple, labels_for_static: Callable[[], list[str]] | None = None, spec: ArgSpec | None = None
+) -> None:
+    """Raise naming each unhashable static argument (by parameter name where `spec` is given, and the function),
+    with its value's type. `labels_for_static` is unused (kept for callers): the culprits are found here."""
     try:
         hash(static)
-    except TypeError as exc:
-        raise TracingError(
-            f"static arguments must be hashable (they key the compile cache): {exc}. "
-            f"Static here: {', '.join(labels_for_static())}"
-        ) from None
+    except TypeError:
+        pass
+    else:
+        return
+    static_pos, static_kw = static
+    bad = []
+    for where, value in (*static_pos, *static_kw):
+        try:
+            hash(value)
+        except TypeError as exc:
+            label = spec.arg_label(where) if spec is not None else (f"args[{where}]" if isinstance(where, int)
+                                                                     else str(where))
+            bad.append(f"{label} ({exc})")
+    who = f"{spec.name}: " if spec is not None and spec.name else ""
+    raise TracingError(
+        f"{who}static argument{'s' if len(bad) > 1 else ''} {', '.join(bad)} must be hashable (static arguments "
+        "key the compile cache): pass a tuple for a list, a frozen dataclass, or make it a traced argument"
+    ) from None
