@@ -88,7 +88,7 @@ def value_and_grad(
         mesh = _virtual_mesh_of(args, kwargs)
         if mesh is not None:
             return virtual.call(mesh, wrapped, args, kwargs)
-        if torch._C._functorch.maybe_current_level() is not None:
+        if _inside_functorch_transform():
             # Inside torch.func.vmap (pf.vmap) autograd.grad is unavailable; torch.func.grad is the
             # transform that composes there.
             args, kwargs = _as_local_blocks((args, kwargs))
@@ -119,6 +119,17 @@ def value_and_grad(
             _NESTING.depth = depth
 
     return wrapped
+
+
+@torch.compiler.disable
+def _inside_functorch_transform() -> bool:
+    """Whether a torch.func transform (pf.vmap) is running: asked eagerly on every call, never traced by Dynamo.
+
+    Under torch.compile Dynamo folds `maybe_current_level()` into a constant, and a frame it compiled outside any
+    transform carries no guard on the transform stack: pf.grad's wrapper, compiled for a call outside pf.vmap, was
+    reused inside one and took the autograd path there (`requires_grad_()` refused inside a functorch transform).
+    """
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _differentiated_leaves(args: tuple, nums: tuple[int, ...]) -> tuple[list[Any], Any]:
@@ -257,6 +268,10 @@ def _check_scalar(fn: Callable[..., Any], value: Any) -> None:
     )
 
 
+# Not traced by Dynamo: this runs inside a torch.func transform running eagerly (pf.vmap's, after its wrapper's graph
+# breaks), where Dynamo cannot compile frames (it falls back to eager for every backend but "eager", which failed
+# to fake the batched tensors of `fn`'s frames after a graph break in them: "AssertionError: False != True").
+@torch.compiler.disable
 def _functorch_value_and_grad(
     fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, argnums: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -397,7 +412,11 @@ def vmap(
         out_spec: list[Any] = []
 
         def flat_fn(*flat: Any) -> tuple[Any, ...]:
-            out = fn(*tree.unflatten(spec, list(flat[:spec.num_leaves])), **kwargs)
+            # The structure is taken again here rather than closed over: under torch.compile a graph break between
+            # here and the flatten above turns `spec` into Dynamo's stand-in for optree's treespec, which fails
+            # to rebuild a dict ("unhashable type: 'list'") when this function then runs eagerly.
+            here = tree.structure(args)
+            out = fn(*tree.unflatten(here, list(flat[:here.num_leaves])), **kwargs)
             out_leaves, s = tree.flatten(out)
             while tree.adopt_torch_nodes(out_leaves):  # a Hugging Face ModelOutput: its tensors are outputs
                 out_leaves, s = tree.flatten(out)

@@ -40,6 +40,23 @@ def _like(real: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(real) if ref.is_complex() else real
 
 
+def _compute_dtype(m: torch.Tensor, g: torch.Tensor) -> torch.dtype:
+    """The dtype a moment of dtype `m.dtype` is updated in from a gradient `g`: the wider of the two."""
+    return torch.promote_types(m.dtype, g.dtype)
+
+
+def _as_real_in(m: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`m` and `g` as real views, both in `_compute_dtype(m, g)`."""
+    dtype = _compute_dtype(m, g)
+    return _as_real(m.to(dtype)), _as_real(g.to(dtype))
+
+
+def _moment_update(m: torch.Tensor, g: torch.Tensor, decay: float) -> torch.Tensor:
+    """`decay * m + (1 - decay) * g` in `_compute_dtype(m, g)`, returned in `m`'s dtype (one rounding)."""
+    dtype = _compute_dtype(m, g)
+    return (decay * m.to(dtype) + (1.0 - decay) * g.to(dtype)).to(m.dtype)
+
+
 def scale(step_size: float) -> GradientTransformation:
     """Multiply the updates by a constant.
 
@@ -179,7 +196,8 @@ def scale_by_adam(
         b2: decay rate of the second moment.
         eps: added to the denominator, outside the square root.
         eps_root: added inside the square root (useful when differentiating through the update).
-        mu_dtype: dtype of the first moment; the parameter's dtype if `None`.
+        mu_dtype: dtype the first moment is stored in; the parameter's dtype if `None`. It is updated, and the
+            update computed from it, in the wider of this and the gradient's dtype (as in optax).
 
     Returns:
         A `GradientTransformation` with a `ScaleByAdamState`.
@@ -192,8 +210,11 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None):
         del params
-        mu = pftree.map(lambda g, m: _like(torch.lerp(_as_real(m), _as_real(g.to(m.dtype)), 1.0 - b1), m),
-                        updates, state.mu)
+        # The first moment is computed in the wider of its dtype and the gradient's, the update taken from that
+        # value, and only what is stored is cast to `mu_dtype` (as optax does). Computed in bfloat16 instead
+        # (`m / bias_correction1` stays bfloat16 in eager: a 0-d float32 tensor does not promote it), Inductor
+        # skipped those intermediate roundings and gave other numbers than eager.
+        mu = pftree.map(lambda g, m: _like(torch.lerp(*_as_real_in(m, g), 1.0 - b1), m), updates, state.mu)
         nu = pftree.map(lambda g, v: _like(_as_real(v) * b2 + (1.0 - b2) * (_as_real(g) * _as_real(g)), v),
                         updates, state.nu)
         count = _safe_increment(state.count)
@@ -219,6 +240,7 @@ def scale_by_adam(
             return _like((m_real / bias_correction1) / denom, m).to(g.dtype)
 
         updates = pftree.map(step, updates, mu, nu)
+        mu = pftree.map(lambda m, m_old: m.to(m_old.dtype), mu, state.mu)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return GradientTransformation(init_fn, update_fn)
@@ -242,7 +264,8 @@ def scale_by_lion(
     Args:
         b1: interpolation factor of the update direction.
         b2: decay rate of the momentum.
-        mu_dtype: dtype of the momentum; the parameter's dtype if `None`.
+        mu_dtype: dtype the momentum is stored in; the parameter's dtype if `None`. It is updated in the wider
+            of this and the gradient's dtype (as in optax).
 
     Returns:
         A `GradientTransformation` with a `ScaleByLionState`.
@@ -256,7 +279,9 @@ def scale_by_lion(
         directions = pftree.map(
             lambda g, m: _like(torch.sign(_as_real((1.0 - b1) * g + b1 * m.to(g.dtype))), g), updates, state.mu
         )
-        mu = pftree.map(lambda g, m: b2 * m + (1.0 - b2) * g.to(m.dtype), updates, state.mu)
+        # In the wider of the two dtypes, cast once to `mu_dtype` (as optax does): computed in bfloat16, each
+        # product rounded, Inductor skipped those roundings and gave other numbers than eager.
+        mu = pftree.map(lambda g, m: _moment_update(m, g, b2), updates, state.mu)
         return directions, ScaleByLionState(count=_safe_increment(state.count), mu=mu)
 
     return GradientTransformation(init_fn, update_fn)
