@@ -71,3 +71,37 @@ def test_a_step_over_meta_tensors_runs_under_the_default_backend() -> None:
     want_p, want_state = step(p, state, x)
     assert new_p.device.type == "meta" and new_p.shape == want_p.shape
     assert [t.shape for t in pf.tree.leaves(new_state)] == [t.shape for t in pf.tree.leaves(want_state)]
+
+
+def test_meta_dry_run_with_a_cpu_scalar_argument_runs() -> None:
+    """A 0-d CPU tensor (a learning rate) mixes with meta tensors: still a dry run, not a program for Inductor."""
+
+    opt = pf.optim.adamw(1e-2)  # its constants are what Inductor's folding fails on
+
+    def step(p: torch.Tensor, state: tuple, x: torch.Tensor, lr: torch.Tensor) -> tuple:
+        g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
+        updates, state = opt.update(g, state, p)
+        return pf.optim.apply_updates(p, pf.tree.map(lambda u: u * lr, updates)), state
+
+    p, x = torch.randn(8, 3, device="meta"), torch.randn(4, 8, device="meta")
+    out, _ = pf.jit(step)(p, opt.init(p), x, torch.tensor(0.5))
+    assert out.device.type == "meta" and out.shape == (8, 3)
+
+
+def test_programs_without_pt3func_ops_get_the_loop_split_guard(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's C++ loop split miscompiles `i // d` indexing over a loop d does not divide (torch's bug; see
+    `_compat.guard_inductor_cpu_loop_split`). The guard was installed only by programs with pt3func's own ops, so a
+    plain program compiled before any of those (or served from the cache) came out wrong."""
+    from torch._inductor.codegen import cpp
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    current = cpp.CppScheduling.try_loop_split
+    if getattr(current, "pt3func_guarded", False):  # installed by an earlier test: take it off for this one
+        cells = dict(zip(current.__code__.co_freevars, current.__closure__))
+        monkeypatch.setattr(cpp.CppScheduling, "try_loop_split", cells["original"].cell_contents)
+
+    def f(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (a.view(-1, 256) * s[:, None]).reshape(-1)[:1000] * 3
+
+    a, s = torch.randn(1024), torch.randn(4)
+    torch.testing.assert_close(pf.jit(f, backend="inductor")(a, s), f(a, s))

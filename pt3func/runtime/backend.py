@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import fx
 
-from pt3func._compat import inductor_collective_bucketing
+from pt3func._compat import guard_inductor_cpu_loop_split, inductor_collective_bucketing
 from pt3func.config import config
 from pt3func.passes.chunked_loss import accumulate_in_place
 from pt3func.passes.eager_views import reshape_unwritten_views
@@ -48,14 +48,20 @@ def compile_program(
         if "accumulate_in_place" not in config.disabled_passes:
             gm = accumulate_in_place(gm)  # mutation only here: the passes before Inductor reorder by data flow
         decompositions = _decompositions(gm, example_inputs)
+        # Before every compile, not only a quantising program's: Inductor's C++ loop split miscompiles any program
+        # that indexes by `i // d` over a loop d does not divide (NaN for `(a.view(-1, 256) * s[:, None])
+        # .reshape(-1)[:1000]`), and since the FX graph cache serves programs, one compiled unguarded earlier in
+        # this process (or another) would be served to a guarded one. Idempotent.
+        guard_inductor_cpu_loop_split()
         with TRACE_LOCK, inductor_config.patch(options), _cacheable_compile():
             return compile_fx(gm, list(example_inputs), decompositions=decompositions, ignore_shape_env=True)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
 
 
 def _only_meta(example_inputs: Sequence[torch.Tensor]) -> bool:
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    return bool(tensors) and all(x.device.type == "meta" for x in tensors)
+    """A dry run: some input is a meta tensor (the others can only be CPU scalars, which mix with meta ones, e.g. a
+    0-d learning rate), so the program computes no values."""
+    return any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs)
 
 
 def zeros_for_efficient_zeros(gm: fx.GraphModule) -> fx.GraphModule:
