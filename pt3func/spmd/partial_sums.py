@@ -16,6 +16,13 @@ all-gathered the activations again before every matmul that read them. The backw
 of a residual gradient and a partial one) follows the same rule: one reduction per block there too, as in
 Megatron. Sums of partial values (`Partial + Partial`) stay pending.
 
+A pending sum is also never reduce-scattered onto a dim that does not split evenly over the mesh axis (in any
+op: `square` of a tp-pending sum of 3 rows per dp rank was reduce-scattered 2/1 over tp): DTensor pads such blocks,
+and its gather of a dim split over two axes unevenly (one flattened all-gather over dp+tp, then `[:rows]`) kept a
+pad row and dropped a real one, a wrong loss with no error. Strategies that would lay an operand out unevenly are
+set aside while another remains (the all-reduce, i.e. Replicate), as pt3func's own `device_put` refuses uneven
+splits. That is a matter of correctness, not of layout, so it holds with "reduce_partial_sums" disabled too.
+
 Applied only inside `reducing_partial_sums()` (pt3func's sharded traces), per thread: DTensor used eagerly
 elsewhere in the process keeps its own choices (DTensor does not cache its choices while tracing).
 """
@@ -29,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pt3func._compat import wrap_dtensor_strategy_selection
+from pt3func._compat import is_plain_shard, is_strided_shard, wrap_dtensor_strategy_selection
 from pt3func.config import config
 
 aten = torch.ops.aten
@@ -41,24 +48,29 @@ _state = threading.local()
 def reducing_partial_sums() -> Iterator[None]:
     """While active (in this thread), DTensor reduces a partial sum where an addition meets a whole value.
 
-    Off with "reduce_partial_sums" in `pf.config.disabled_passes` (DTensor's own choices throughout).
+    Off with "reduce_partial_sums" in `pf.config.disabled_passes` (DTensor's own choices for additions; operands
+    are still never laid out unevenly, see the module's docstring).
     """
-    if "reduce_partial_sums" in config.disabled_passes:
-        yield
-        return
     wrap_dtensor_strategy_selection(_select)
-    _state.depth = getattr(_state, "depth", 0) + 1
+    previous = getattr(_state, "additions", False), getattr(_state, "depth", 0)
+    _state.additions = "reduce_partial_sums" not in config.disabled_passes
+    _state.depth = previous[1] + 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        _state.additions, _state.depth = previous
 
 
 def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
-    """DTensor's choice of strategy for an addition, among those that reduce its partial operand and leave the
-    whole operands as they are (else among those that at least make no operand partial)."""
-    if getattr(_state, "depth", 0) and op_schema is not None and op_schema.op in _ADDITIONS \
-            and _mixes_partial_and_whole(op_schema):
+    """DTensor's choice of strategy, among those that lay no operand out unevenly (while one does not); for an
+    addition, among those that reduce its partial operand and leave the whole operands as they are (else among
+    those that at least make no operand partial)."""
+    if not getattr(_state, "depth", 0) or op_schema is None:
+        return original(strategy, op_schema)
+    even = [spec for spec in strategy.strategies if not _splits_an_operand_unevenly(spec, op_schema)]
+    if even and len(even) < len(strategy.strategies):
+        strategy = type(strategy)(even)
+    if getattr(_state, "additions", False) and op_schema.op in _ADDITIONS and _mixes_partial_and_whole(op_schema):
         if _accumulates_a_gradient(op_schema):
             return _keeping_the_sum_pending(strategy, op_schema) or original(strategy, op_schema)
         for keep in (_reduces_into_whole_operand, _makes_no_operand_partial):
@@ -146,3 +158,30 @@ def _reduces_into_whole_operand(spec: Any, op_schema: Any) -> bool:
                      for current, desired in zip(op_schema.args_spec, _desired(spec, op_schema))
                      if not any(p.is_partial() for p in current.placements))
     return whole_kept and _makes_no_operand_partial(spec, op_schema)
+
+
+def _splits_an_operand_unevenly(spec: Any, op_schema: Any) -> bool:
+    """True if this strategy moves an operand into a layout that splits a dim unevenly over a mesh axis (a
+    reduce-scatter of a pending sum onto 3 rows over 2 ranks), a layout the operand is not in already."""
+    for current, desired in zip(op_schema.args_spec, _desired(spec, op_schema)):
+        meta = getattr(current, "tensor_meta", None)
+        if meta is not None and current.placements != desired.placements \
+                and _uneven(desired.placements, tuple(meta.shape), desired.mesh):
+            return True
+    return False
+
+
+def _uneven(placements: tuple, shape: tuple, mesh: Any) -> bool:
+    """True if some mesh axis splits a dim whose size there (after the axes before it) it does not divide.
+    Sizes not known while tracing count as even (DTensor's choice then)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    sizes = list(shape)
+    for axis, placement in enumerate(placements):
+        if not (is_plain_shard(placement) or is_strided_shard(placement)):
+            continue
+        dim, ranks = placement.dim, mesh.size(axis)
+        if dim >= len(sizes) or guard_or_false(sizes[dim] % ranks != 0):
+            return dim < len(sizes)
+        sizes[dim] = sizes[dim] // ranks
+    return False
