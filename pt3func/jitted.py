@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
 import numbers
 import os
@@ -15,7 +16,6 @@ import threading
 import types
 import warnings
 import weakref
-from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -53,7 +53,15 @@ from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
 from pt3func.spmd.partial_sums import reducing_partial_sums
-from pt3func.stages import Compiled, Lowered, Program, pair_rank_lowerings, refuse_donating_captured
+from pt3func.stages import (
+    Compiled,
+    Lowered,
+    Program,
+    call_opaque,
+    dict_orders,
+    pair_rank_lowerings,
+    refuse_donating_captured,
+)
 from pt3func.trace import capture
 from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
 from pt3func.trace.module_modes import (
@@ -143,7 +151,9 @@ class Jitted:
 
     def _key(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple]:
+    ) -> tuple[Any, list[Any], Any, tuple, Compiled | None, tuple, Any]:
+        """(key, leaves, treedef, static, the signature's program if compiled, leaf keys, the static values' hashes
+        where the last call's program is reused without hashing the signature, else None)."""
         dynamic, static = split_static(self._spec, args, kwargs)
         types = static_types(static)
         # Bare PartitionSpecs in the shardings, `pf.shard_map` without `mesh=` and `with_sharding_constraint` /
@@ -151,31 +161,28 @@ class Jitted:
         # mesh (by identity, as a DTensor leaf's) is the last entry of `types` (a step called again under another
         # mesh ran the first mesh's program).
         types += (("mesh", get_mesh()),)
-        # The key order and type of every dict among the arguments: a step may iterate a dict, and a treedef
-        # compares dicts by their sorted keys (a program traced for {"b", "a"} ran for {"a", "b"}).
-        # Keyword arguments bound to named parameters are order-free (`f(a=x, b=y)` then `f(b=y, a=x)` retraced);
-        # their order counts only for a function with `**kwargs`, which may iterate them.
-        dyn_args, dyn_kwargs = dynamic
-        if dyn_kwargs and not self._spec.var_keyword:
-            orders = _dict_orders((dyn_args, [dyn_kwargs[k] for k in sorted(dyn_kwargs)]))
-        else:
-            orders = _dict_orders(dynamic)
+        # The key order and type of every dict among the arguments (order-free for named parameters).
+        orders = dict_orders(self._spec, dynamic)
         static_modes = static_module_modes(static)
         last = self._leaf_memo.last()
         if last is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
             # are taken (`flatten_up_to`: no sorting of dict keys; it takes a dict for an OrderedDict, so the dicts'
             # types and key orders are compared apart), its DTensor keys are the very objects when it returned
-            # those leaves (compared by identity); then its program again, nothing hashed.
+            # those leaves (compared by identity); then its program again, the signature not hashed: only the static
+            # values (`last.static` holds them with their hashes then, see `_static_hashes`).
             try:
                 leaves = last.treedef.flatten_up_to(dynamic)
             except (ValueError, TypeError):  # another structure
                 leaves = None
-            if leaves is not None and last.static == static and last.key[2] == types and last.key[4] == orders \
+            if leaves is not None and last.static[0] == static and last.key[2] == types and last.key[4] == orders \
                     and last.key[5] == static_modes and last.key[6][0].modes() == last.key[6][1]:
                 leaf_keys = self._leaf_keys(leaves, last.treedef, static)
-                if last.leaf_keys == leaf_keys:  # (a subtree where the last call had a leaf has a key of its own)
-                    return last.key, leaves, last.treedef, static, last.compiled, leaf_keys
+                # (a subtree where the last call had a leaf has a key of its own)
+                if last.leaf_keys == leaf_keys:
+                    hashes = _static_hashes(static, leaves, last.compiled)
+                    if hashes == last.static[1]:
+                        return last.key, leaves, last.treedef, static, last.compiled, leaf_keys, hashes
         leaves, treedef = tree.flatten(dynamic)
         while tree.adopt_torch_nodes(leaves):  # a Hugging Face ModelOutput passed in: its tensors are inputs
             leaves, treedef = tree.flatten(dynamic)
@@ -205,15 +212,15 @@ class Jitted:
             ) from None
         if compiled is None:
             _refuse_tensor_statics(self.name, static)
-        return key, leaves, treedef, static, compiled, leaf_keys
+        return key, leaves, treedef, static, compiled, leaf_keys, None
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """A jitted method binds its instance as the function it wraps would (`self` is the first argument: static,
-        as an object that is not a tensor, or name it in static_argnums). A jitted partial, builtin or callable
-        object is not bound, as Python binds none of them."""
+        as an object that is not a tensor, or name it in static_argnums): `net.forward(x)`, `net.forward.lower(x)`.
+        A jitted partial, builtin or callable object is not bound, as Python binds none of them."""
         if obj is None or not isinstance(self.fn, types.FunctionType):
             return self
-        return types.MethodType(self, obj)
+        return BoundJitted(self, obj)
 
     def __reduce__(self) -> Any:
         # A module-level `@pf.jit def f` is pickled by reference, as the function it decorates is. Any other is
@@ -247,6 +254,8 @@ class Jitted:
         return copied
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # under torch.compile: one call Dynamo does not trace into
+            return call_opaque(self, *args, **kwargs)
         if get_proxy_mode() is not None:  # called from a step another pf.jit is tracing: inlined, as in jax.jit
             return self.fn(*args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is not None and _any_functorch_wrapped((args, kwargs)):
@@ -271,7 +280,7 @@ class Jitted:
                 args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
                 self._spec.param_names, (self.name, self._agreed), replaced=replaced,
             )
-        key, leaves, treedef, static, compiled, leaf_keys = self._key(args, kwargs)
+        key, leaves, treedef, static, compiled, leaf_keys, hashes = self._key(args, kwargs)
         if getattr(EAGER_DIFFERENTIATION, "depth", 0) and _any_requires_grad(leaves):
             raise TracingError(
                 f"{self.name}: a pf.jit-ed function differentiated from outside (pf.grad(pf.jit(f))): its program "
@@ -312,7 +321,8 @@ class Jitted:
             compiled.leaf_stays_valid,
             out_leaves,
             compiled.output_keys(out_leaves),
-            LastCall(treedef, static, leaf_keys, key, compiled),
+            LastCall(treedef, (static, _static_hashes(static, leaves, compiled) if hashes is None else hashes),
+                     leaf_keys, key, compiled),
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
 
@@ -393,7 +403,7 @@ class Jitted:
                 args, kwargs, self.in_shardings, self._spec.static_argnums, self._spec.static_argnames,
                 self._spec.param_names, (self.name, self._agreed),
             )
-        key, leaves, treedef, static, _, _ = self._key(args, kwargs)
+        key, leaves, treedef, static, _, _, _ = self._key(args, kwargs)
         lowered = self._lowered.get(key)
         if lowered is None:
             # A signature called before is traced again (compiling rewrote its program's graph for the backend, so
@@ -604,9 +614,11 @@ class Jitted:
                         "condition is such a read: make it static (static_argnums / static_argnames)."
                     ) from None
             watch = self._watch(key, recording)
+            modules = (watch, watch.modes())  # as the trace saw them (`_watched_key`)
         else:
             gm = _reference[0]
             out_info.update(_reference[1])
+            modules = (NO_WATCH, ())  # the exchange guard's reference program: run by the Compiled it guards
         graph_labels = [labels[i] for i in graph_input_leaves]
         capture.check_no_input_mutation(gm, graph_labels, self.name)
         guard = None if _reference is not None else guard_for(self.exchange_guard, self.grad_exchange)
@@ -694,9 +706,12 @@ class Jitted:
             cuda_graphs=self.cuda_graphs,
             scalar_device=device,
             spec=spec,
-            # The signature `Compiled.__call__` checks (without the dicts' orders, nor the current mesh: it places
-            # plain arguments on the mesh the step was lowered under).
+            # The signature `Compiled.__call__` checks (without the current mesh: it places plain arguments on the
+            # mesh the step was lowered under), and the rest of it, which it checks too.
             key=(*key[:2], key[2][:-1], key[3]),
+            orders=key[4],
+            static_modes=key[5],
+            modules=modules,
             dtensor_out=dtensor_out,
             plain_out_shardings=out_info["plain_out"],
             notes={**lower.collective_notes(gm), **remat_notes(gm)},
@@ -741,6 +756,59 @@ def _backward_fence(setting: Any) -> Callable[[Any], Any]:
 
     keep_backward_in_backward_pass.__name__ = keep_backward_in_backward.__name__
     return keep_backward_in_backward_pass
+
+
+# A jitted method of an instance (`net.forward`), as a bound method: its call, `lower` and `trace_count` are the
+# Jitted's with the instance first (a plain bound method forwarded `.lower(x)` to the Jitted without it). Its
+# `__doc__` is the method's, as a bound method's is.
+class BoundJitted:
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, jitted: Jitted, obj: Any):
+        self.__func__ = jitted
+        self.__self__ = obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace and lower for the instance and these arguments (nothing is run, nothing is donated)."""
+        return self.__func__.lower(self.__self__, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # trace_count, exchange_decision, name, fn, __name__, ...
+        if name in ("__func__", "__self__"):  # (not set yet: a half-built copy)
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.__func__.__doc__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The method's signature without `self`, as `inspect.signature` gives for a bound method."""
+        sig = inspect.signature(self.__func__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BoundJitted) and self.__func__ is other.__func__ and self.__self__ is other.__self__
+
+    def __hash__(self) -> int:
+        return hash((self.__func__, id(self.__self__)))
+
+    def __repr__(self) -> str:
+        return f"<bound pf.jit method {self.__func__.__qualname__} of {self.__self__!r}>"
+
+    def __reduce__(self) -> Any:
+        # As a bound method pickles: the instance's attribute of that name (the unpickled instance's own method).
+        return getattr, (self.__self__, self.__func__.__name__)
+
+    def __copy__(self) -> BoundJitted:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> BoundJitted:
+        # As `copy.deepcopy` copies a bound method: the same function, bound to a copy of the instance.
+        return BoundJitted(self.__func__, copy.deepcopy(self.__self__, memo))
 
 
 def _rebuild(fn: Callable[..., Any], options: dict[str, Any]) -> Jitted:
@@ -832,42 +900,18 @@ def _first_rank() -> bool:
     return not in_rank_thread() or torch.distributed.get_rank() == 0
 
 
-def _dict_orders(x: Any) -> tuple:
-    """The key order of every dict in `x` (depth first, in insertion order), with the type (and default factory)
-    of every OrderedDict / defaultdict: what a treedef and `flatten_up_to` leave out. Walks dicts, lists and
-    tuples (namedtuples too); a dict inside another kind of node is not looked at."""
-    out: list[Any] = []
-    _collect_dict_orders(x, out)
-    return tuple(out)
-
-
-def _collect_dict_orders(x: Any, out: list[Any]) -> None:
-    t = type(x)
-    if t is dict:
-        out.append(tuple(x))
-        values: Any = x.values()
-    elif t is OrderedDict or t is defaultdict:
-        out.append((t, _factory_key(x.default_factory) if t is defaultdict else None, tuple(x)))
-        values = x.values()
-    elif t is tuple or t is list or isinstance(x, tuple):
-        values = x
-    else:
-        return
-    for v in values:
-        t = type(v)
-        if t in _WALKED or (t not in _LEAVES and isinstance(v, tuple)):  # the common leaves: no call
-            _collect_dict_orders(v, out)
-
-
-def _factory_key(factory: Any) -> Any:
-    """A defaultdict's factory as the signature sees it: a function by its code (a `lambda: 0` made anew for each
-    call is the same factory; by identity every call retraced), anything else (a type) as itself."""
-    code = getattr(factory, "__code__", None)
-    return factory if code is None else code
-
-
-_WALKED = frozenset({dict, OrderedDict, defaultdict, list, tuple})
-_LEAVES = frozenset({torch.Tensor, DTensor, float, int, bool})
+def _static_hashes(static: tuple, leaves: list[Any], compiled: Compiled) -> Any:
+    """The hashes of a call's static arguments and static leaves (a new object, equal to none, where one is
+    unhashable). The fast path of `Jitted._key` compares them with `==` to the last call's, which is the very same
+    object for a static config passed again: equal to itself even after a change (`cfg.n = 4` on a value-hashed
+    dataclass), where the cache's lookup (by hash) retraces. So its hash, the value's, is compared too (JAX hashes
+    static arguments at every call)."""
+    try:
+        if not compiled._static_leaves:
+            return hash(static)
+        return (hash(static), *[hash(leaves[i]) for i in compiled._static_leaves])
+    except TypeError:  # now unhashable (a field set to a list): never equal, so the slow path names it
+        return object()
 
 
 def _any_requires_grad(leaves: list[Any]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from pt3func import analysis, tree
 from pt3func._compat import inductor_output_code
@@ -23,7 +25,8 @@ from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate, refuse_inference_donation
 from pt3func.sharding.mesh import get_mesh
 from pt3func.spmd.lower import place_plain_output
-from pt3func.trace.signature import ArgSpec, leaf_key, leaf_key_changes, leaf_labels, split_call, static_types
+from pt3func.trace.module_modes import NO_WATCH, static_module_modes
+from pt3func.trace.signature import ArgSpec, leaf_key, leaf_key_changes, leaf_labels, split_static, static_types
 
 
 @dataclass
@@ -53,6 +56,12 @@ class Program:
     plain_out_shardings: dict[int, Any] = field(default_factory=dict)
     notes: dict[fx.Node, str] = field(default_factory=dict)
     cuda_graphs: bool = False  # run by replaying a CUDA graph (runtime/cudagraphs.py)
+    # The rest of the Jitted's signature, which `Compiled.__call__` checks too: the dicts' key orders
+    # (`dict_orders`), the modes of modules given as static arguments (`static_module_modes`), and the modules the
+    # trace called with their modes and hooks then: (ModuleWatch, its modes()).
+    orders: tuple = ()
+    static_modes: tuple = ()
+    modules: tuple = (NO_WATCH, ())
 
     def graph_input_labels(self) -> list[str]:
         return [self.input_labels[i] for i in self.graph_input_leaves]
@@ -203,6 +212,8 @@ class Compiled:
         self._constant_tensors = [value for _, value, _, _, _ in self._constants]
         self._constant_ptrs = list(map(_DATA_PTR, self._constant_tensors))
         self._input_kinds = [p.input_leaf_kind[i] for i in p.graph_input_leaves]
+        # Call leaves that are static values (not tensors nor scalars): `Jitted._key`'s fast path hashes them.
+        self._static_leaves = [i for i, kind in enumerate(p.input_leaf_kind) if kind == "static"]
         self._where = f"jitted '{p.name}'"
         self._warned = False
         self._switch: Any = None  # an exchange guard's ExchangeSwitch (pt3func/compress/guard.py), or None
@@ -263,16 +274,29 @@ class Compiled:
 
         Plain tensors where the program takes sharded ones are placed as `in_shardings` placed them at `lower()`
         (each rank keeps its block of the global value), so `step.lower(*args).compile()(*args)` runs."""
+        if torch.compiler.is_compiling():  # under torch.compile: one call Dynamo does not trace into
+            return call_opaque(self, *args, **kwargs)
         p = self._program
+        if get_proxy_mode() is not None:
+            # Its compiled program cannot run on the trace's fake tensors (Inductor's reads their data pointers).
+            raise TracingError(
+                f"{p.name}: a Compiled (step.lower(...).compile()) called inside a step that pf.jit is tracing; its "
+                "compiled program cannot be traced into another. Call the jitted function itself there (it is "
+                "inlined into the outer step's program)."
+            )
         if self.lowered._virtual is not None and not virtual.in_rank_thread():
             return self._call_virtual(args, kwargs)
-        leaves, treedef, static = split_call(p.spec, args, kwargs)
+        dynamic, static = split_static(p.spec, args, kwargs)
+        leaves, treedef = tree.flatten(dynamic)
         key = (treedef, static, static_types(static), tuple([leaf_key(leaf) for leaf in leaves]))
         if key != p.key:
             leaves = self._place_plain_leaves(leaves, key)
             key = (treedef, static, key[2], tuple([leaf_key(leaf) for leaf in leaves]))
             if key != p.key:
                 raise TracingError(_signature_mismatch(p, key))
+        changed = _guard_mismatch(p, dict_orders(p.spec, dynamic), static_module_modes(static))
+        if changed is not None:
+            raise TracingError(changed)
         return self.run_leaves(leaves)
 
     def _place_plain_leaves(self, leaves: list[Any], key: tuple) -> list[Any]:
@@ -465,6 +489,85 @@ def _signature_mismatch(p: Program, key: tuple) -> str:
         f"{p.name}: this Compiled was built for another signature: " + "; ".join(reasons[:10])
         + ". Call the jitted function instead, which traces again when needed"
     )
+
+
+def _guard_mismatch(p: Program, orders: tuple, static_modes: tuple) -> str | None:
+    """What differs, beyond `Program.key`, between the signature `p` was compiled for and a call's (the dicts' key
+    orders, the modes of static modules, the modes and hooks of the modules its trace called); None if nothing.
+    As for the Jitted, which traces again where these change: the program kept what the trace saw."""
+    if orders != p.orders:
+        was, now = next(((a, b) for a, b in zip(p.orders, orders) if a != b), (p.orders, orders))
+        reason = f"the key order or type of a dict among the arguments changed: {was} -> {now}"
+    elif static_modes != p.static_modes:
+        reason = f"the train / eval mode of a module given as a static argument changed: {p.static_modes} -> " \
+                 f"{static_modes}"
+    else:
+        watch, modes = p.modules
+        now = watch.modes()
+        if now == modes:
+            return None
+        reason = watch.describe_change(modes, now) or "the modes or hooks of modules the step calls changed"
+    return (
+        f"{p.name}: this Compiled was built for another signature: {reason}. Call the jitted function instead, which "
+        "traces again when needed"
+    )
+
+
+def dict_orders(spec: ArgSpec, dynamic: Any) -> tuple:
+    """The key order and type of every dict among a call's dynamic arguments (`(args, kwargs)`): a step may iterate
+    a dict, and a treedef compares dicts by their sorted keys (a program traced for {"b", "a"} ran for {"a", "b"}).
+    Keyword arguments bound to named parameters are order-free (`f(a=x, b=y)` then `f(b=y, a=x)` runs the same
+    program); their order counts only for a function with `**kwargs`, which may iterate them."""
+    dyn_args, dyn_kwargs = dynamic
+    if dyn_kwargs and not spec.var_keyword:
+        dynamic = (dyn_args, [dyn_kwargs[k] for k in sorted(dyn_kwargs)])
+    out: list[Any] = []
+    _collect_dict_orders(dynamic, out)
+    return tuple(out)
+
+
+def _collect_dict_orders(x: Any, out: list[Any]) -> None:
+    """Depth first, in insertion order: each dict's keys, with the type (and default factory) of an OrderedDict /
+    defaultdict: what a treedef and `flatten_up_to` leave out. Walks dicts, lists and tuples (namedtuples too); a
+    dict inside another kind of node is not looked at."""
+    t = type(x)
+    if t is dict:
+        out.append(tuple(x))
+        values: Any = x.values()
+    elif t is OrderedDict or t is defaultdict:
+        out.append((t, _factory_key(x.default_factory) if t is defaultdict else None, tuple(x)))
+        values = x.values()
+    elif t is tuple or t is list or isinstance(x, tuple):
+        values = x
+    else:
+        return
+    for v in values:
+        t = type(v)
+        if t in _WALKED or (t not in _LEAVES and isinstance(v, tuple)):  # the common leaves: no call
+            _collect_dict_orders(v, out)
+
+
+def _factory_key(factory: Any) -> Any:
+    """A defaultdict's factory as the signature sees it: a function by its code (a `lambda: 0` made anew for each
+    call is the same factory; by identity every call retraced), anything else (a type) as itself."""
+    code = getattr(factory, "__code__", None)
+    return factory if code is None else code
+
+
+_WALKED = frozenset({dict, OrderedDict, defaultdict, list, tuple})
+_LEAVES = frozenset({torch.Tensor, DTensor, float, int, bool})
+
+
+def _call(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+# A jitted step (or a Compiled) called from code that torch.compile compiles (a loop body): Dynamo runs the call as
+# it is, one opaque function (a graph break), instead of tracing into pt3func's signature checks, donation and
+# compiled program, which it cannot (it wrapped donated tensors, hit its recompile limits, and took minutes).
+call_opaque = torch.compiler.disable(
+    _call, reason="a pf.jit step runs its own compiled program: torch.compile calls it as it is"
+)
 
 
 def _aliased_graph_inputs(p: Program) -> list[int]:
