@@ -200,7 +200,7 @@ class Jitted:
                     key = candidate
                     break
         except TypeError:
-            check_hashable(static, lambda: [repr(s) for s in static])
+            check_hashable(static, lambda: [repr(s) for s in static], self._spec)
             bad = [
                 label
                 for label, leaf in zip(leaf_labels(self._spec, treedef, static), leaves)

@@ -654,8 +654,8 @@ def _check_donation_overlap(p: Program, leaves: list[Any]) -> None:
     seen: dict[int, int] = {}
     donated = set(p.donated_leaves)
     for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0:
-            continue
+        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0 or leaf.device.type == "meta":
+            continue  # a meta tensor has no buffer (every one's data_ptr is 0): a dry run overwrites nothing
         local = getattr(leaf, "_local_tensor", leaf)
         ptr = local.untyped_storage().data_ptr()
         other = seen.get(ptr)

@@ -105,3 +105,17 @@ def test_programs_without_pt3func_ops_get_the_loop_split_guard(tmp_path, monkeyp
 
     a, s = torch.randn(1024), torch.randn(4)
     torch.testing.assert_close(pf.jit(f, backend="inductor")(a, s), f(a, s))
+
+
+def test_meta_dry_run_of_a_donating_step_runs() -> None:
+    """Every meta tensor's data_ptr is 0: the donation overlap check took distinct meta tensors for one buffer."""
+    opt = pf.optim.adamw(1e-2)
+
+    def step(p: torch.Tensor, state: tuple, x: torch.Tensor) -> tuple:
+        g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
+        updates, state = opt.update(g, state, p)
+        return pf.optim.apply_updates(p, updates), state
+
+    p, x = torch.randn(8, 3, device="meta"), torch.randn(4, 8, device="meta")
+    out, _ = pf.jit(step, donate_argnums=(0, 1))(p, opt.init(p), x)
+    assert out.device.type == "meta" and out.shape == (8, 3)
