@@ -98,18 +98,60 @@ def test_set_mesh_setter_is_seen_by_other_threads():
     step = pf.jit(lambda x: (x * 2).sum(), in_shardings=P("dp"), backend="eager")
     x = torch.arange(8.0)
     try:
-        pf.set_mesh(mesh)  # the setter form: the whole process
+        pf.set_mesh(mesh)  # in the main thread: the mesh of threads that set none
         with cf.ThreadPoolExecutor(1) as pool:
             seen, out = pool.submit(lambda: (pf.get_mesh(), step(x))).result(timeout=120)
             assert seen is mesh
             torch.testing.assert_close(pf.device_get(out), (x * 2).sum())
-            with pf.set_mesh(None):  # the `with` form: this thread's context only
+            with pf.set_mesh(None):  # the main thread's current mesh, in a `with` block too
                 assert pf.get_mesh() is None
-                assert pool.submit(pf.get_mesh).result(timeout=60) is mesh
+                assert pool.submit(pf.get_mesh).result(timeout=60) is None
+            assert pf.get_mesh() is mesh
+            assert pool.submit(pf.get_mesh).result(timeout=60) is mesh
+
+            def own_block() -> tuple:  # a thread's own mesh is its own, and leaves no trace behind
+                with pf.set_mesh(None):
+                    inside = pf.get_mesh()
+                return inside, pf.get_mesh()
+
+            assert pool.submit(own_block).result(timeout=60) == (None, mesh)
             assert pf.get_mesh() is mesh
             pf.set_mesh(None)
             assert pool.submit(pf.get_mesh).result(timeout=60) is None
     finally:
+        pf.set_mesh(None)
+
+
+def test_overlapping_set_mesh_blocks_of_threads_never_change_the_main_threads_mesh():
+    """Two threads entering and leaving `with pf.set_mesh(...)` while the main thread set its own: before, the
+    blocks chained a process-wide default and left it on one of theirs for good."""
+    import sys
+    import threading
+
+    a, b, c = (pf.make_mesh((1,), (name,)) for name in ("a", "b", "c"))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        pf.set_mesh(a)
+        stop, wrong = threading.Event(), []
+
+        def loop(mesh: pf.Mesh) -> None:
+            while not stop.is_set():
+                with pf.set_mesh(mesh):
+                    if pf.get_mesh() is not mesh:
+                        wrong.append(pf.get_mesh())
+
+        threads = [threading.Thread(target=loop, args=(m,)) for m in (b, c)]
+        for t in threads:
+            t.start()
+        seen = [pf.get_mesh() for _ in range(20000)]
+        stop.set()
+        for t in threads:
+            t.join()
+        assert all(m is a for m in seen) and not wrong
+        assert pf.get_mesh() is a
+    finally:
+        sys.setswitchinterval(interval)
         pf.set_mesh(None)
 
 

@@ -165,3 +165,16 @@ def test_bfloat16_moment_adam_update_uses_the_unrounded_moment():
         mu = s[0].mu["w"]
         assert mu.dtype == torch.bfloat16
         assert torch.equal(mu, m)
+
+
+def test_lion_direction_with_a_wider_moment_is_taken_in_the_wider_dtype() -> None:
+    """bf16 params with an fp32 moment: optax's sign((1 - b1) g + b1 m) in fp32; rounding m to bf16 first flipped
+    the sign of near-cancelling sums (regression hunt, session 17)."""
+    b1 = 0.9
+    opt = pf.optim.scale_by_lion(b1=b1, b2=0.99, mu_dtype=torch.float32)
+    g = torch.ones(1000, dtype=torch.bfloat16)
+    m = -(1 - b1) / b1 * (1 + torch.linspace(-3e-3, 3e-3, 1000))
+    state = opt.init({"w": torch.zeros(1000, dtype=torch.bfloat16)})._replace(mu={"w": m})
+    directions, _ = opt.update({"w": g}, state)
+    assert directions["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(directions["w"].float(), torch.sign((1 - b1) * g.float() + b1 * m), atol=0, rtol=0)

@@ -179,8 +179,11 @@ def test_lower_keeps_no_argument_alive() -> None:
         gc.collect()
         for o in gc.get_objects():
             if type(o) in (torch.Tensor, torch.nn.Parameter):  # not fake tensors a trace may keep
-                if o.untyped_storage().data_ptr() == ptr:
-                    return True
+                try:
+                    if o.untyped_storage().data_ptr() == ptr:
+                        return True
+                except NotImplementedError:  # a functorch wrapper an earlier test's torch.compile kept: no storage
+                    continue
         return False
 
     step = pf.jit(lambda w, x: (x @ w).sum(), backend="eager")

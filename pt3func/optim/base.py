@@ -106,7 +106,11 @@ def check_shapes_match(updates: PyTree, params: PyTree) -> None:
 
     A broadcastable mismatch (a (4, 4) gradient for a (4,) parameter) would otherwise reshape the parameter and
     the optimizer state silently. Trees of other structures are left to the transformations (a state may be
-    built from more leaves than are updated)."""
+    built from more leaves than are updated). Skipped under `torch.compile` (Dynamo), which cannot trace the
+    comparison of two tree structures on torch 2.11 (a recursion through its polyfills): a user's
+    `torch.compile` of an optimizer update failed there; `pf.jit` traces without Dynamo and keeps the check."""
+    if torch.compiler.is_compiling():
+        return
     u_leaves, u_spec = pftree.flatten(updates)
     p_leaves, p_spec = pftree.flatten(params)
     if u_spec != p_spec:

@@ -276,9 +276,13 @@ def scale_by_lion(
 
     def update_fn(updates, state, params=None):
         del params
-        directions = pftree.map(
-            lambda g, m: _like(torch.sign(_as_real((1.0 - b1) * g + b1 * m.to(g.dtype))), g), updates, state.mu
-        )
+        def direction(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            # In the wider dtype, as optax: bf16 params with an fp32 moment rounded the moment to bf16 first,
+            # which flipped the sign of near-cancelling sums.
+            m_wide, g_wide = _as_real_in(m, g)
+            return _like(torch.sign((1.0 - b1) * g_wide + b1 * m_wide).to(_as_real(g).dtype), g)
+
+        directions = pftree.map(direction, updates, state.mu)
         # In the wider of the two dtypes, cast once to `mu_dtype` (as optax does): computed in bfloat16, each
         # product rounded, Inductor skipped those roundings and gave other numbers than eager.
         mu = pftree.map(lambda g, m: _moment_update(m, g, b2), updates, state.mu)

@@ -6,7 +6,7 @@ import atexit
 import itertools
 import math
 import os
-import sys
+import threading
 import weakref
 from contextvars import ContextVar
 from datetime import timedelta
@@ -278,53 +278,45 @@ def _axis_name_tuple(shape: tuple[int, ...], axis_names: AxisNames) -> tuple[str
     return (axis_names,)
 
 
-# The current mesh: the ContextVar holds a `with pf.set_mesh(m)`'s (it overrides in its own context only); where
-# none is set, the setter form's process-wide default (`pf.set_mesh(m)` then a step called from a thread pool or a
-# DataLoader thread sees `m`: a new thread starts with an empty context).
+# The current mesh: each thread's (and asyncio task's) own, in a ContextVar, set by `pf.set_mesh` in either form.
+# A thread that never set one follows the main thread's current mesh: `pf.set_mesh(m)` and then a step called from a
+# thread pool or a DataLoader thread sees `m` (a new thread starts with an empty context). Only the main thread
+# writes that fallback, so threads entering and leaving their own `with pf.set_mesh(...)` blocks cannot change
+# it, nor another thread's mesh (a process-wide default that every `set_mesh` call wrote, with `__enter__` undoing
+# it for the `with` form, let overlapping `with` blocks of two threads leave the default on a wrong mesh for good).
 _UNSET = object()
 _CURRENT: ContextVar = ContextVar("pt3func_mesh", default=_UNSET)
-_DEFAULT: Mesh | None = None
+_MAIN_THREADS_MESH: Mesh | None = None
 
 
 class set_mesh:  # noqa: N801 - used like a function
-    """Make `mesh` the current mesh. As a setter (`pf.set_mesh(m)`) for the whole process, every thread included;
-    as a context manager (`with pf.set_mesh(m): ...`) for the block's context (thread) only, restoring the previous
-    mesh on exit."""
+    """Make `mesh` the current mesh of this thread. Works as a setter (`pf.set_mesh(m)`) and as a context manager
+    (`with pf.set_mesh(m): ...` restores the previous mesh on exit). Threads that set no mesh of their own (a thread
+    pool's, a DataLoader's) use the main thread's current mesh."""
 
     def __init__(self, mesh: Mesh | None) -> None:
-        global _DEFAULT
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"set_mesh expects a pf.Mesh (from pf.make_mesh), got {type(mesh).__name__}")
         self._mesh = mesh
-        self._token = None
-        self._previous: Mesh | None = None
-        # Not yet known whether this is the setter or a `with`: act as the setter until __enter__ says otherwise.
-        # A virtual mesh's rank thread (which runs its jobs under `with set_mesh(mesh)`) never sets the default.
-        self._set_default = not _in_rank_thread()
-        if self._set_default:
-            self._previous, _DEFAULT = _DEFAULT, mesh
-        if _CURRENT.get() is not _UNSET:  # inside a `with` of this context, whose mesh would hide the default
-            self._token = _CURRENT.set(mesh)
+        self._token = _CURRENT.set(mesh)
+        _publish_main_threads_mesh()
 
     def __enter__(self) -> Mesh | None:
-        global _DEFAULT
-        # The `with` form: the mesh is this context's only, so undo the default (unless another setter ran since).
-        if self._set_default and _DEFAULT is self._mesh:
-            _DEFAULT = self._previous
-        if self._token is None:
-            self._token = _CURRENT.set(self._mesh)
         return self._mesh
 
     def __exit__(self, *exc: object) -> None:
         _CURRENT.reset(self._token)
+        _publish_main_threads_mesh()
 
 
-def _in_rank_thread() -> bool:
-    virtual = sys.modules.get("pt3func.runtime.virtual")  # imports this module: not imported here
-    return virtual is not None and virtual.in_rank_thread()
+def _publish_main_threads_mesh() -> None:
+    global _MAIN_THREADS_MESH
+    if threading.current_thread() is threading.main_thread():
+        mesh = _CURRENT.get()
+        _MAIN_THREADS_MESH = None if mesh is _UNSET else mesh
 
 
 def get_mesh() -> Mesh | None:
-    """The current mesh (from `set_mesh`), or None."""
+    """The current mesh (from `set_mesh`) of this thread, else the main thread's, else None."""
     mesh = _CURRENT.get()
-    return _DEFAULT if mesh is _UNSET else mesh
+    return _MAIN_THREADS_MESH if mesh is _UNSET else mesh
