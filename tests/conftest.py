@@ -16,3 +16,17 @@ def explain_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     import pt3func as pf
 
     monkeypatch.setattr(pf.config, "explain_cache_misses", True)
+
+
+@pytest.fixture
+def world_of_one_mesh(monkeypatch: pytest.MonkeyPatch):
+    """A real torch.distributed world of this process alone and its 1-rank mesh, ended after the test."""
+    import torch.distributed as dist
+
+    import pt3func as pf
+
+    assert not dist.is_initialized()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    yield pf.make_mesh((1,), ("dp",))
+    dist.destroy_process_group()

@@ -16,6 +16,20 @@ def _step(params: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     return loss, pf.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
+_OPT = pf.optim.adamw(1e-2)  # its constants are what Inductor's folding failed on, on meta values
+
+
+def _meta_step(p: torch.Tensor, state: tuple, x: torch.Tensor, lr: torch.Tensor | float = 1.0) -> tuple:
+    g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
+    updates, state = _OPT.update(g, state, p)
+    return pf.optim.apply_updates(p, pf.tree.map(lambda u: u * lr, updates)), state
+
+
+def _meta_args() -> tuple:
+    p = torch.randn(8, 3, device="meta")
+    return p, _OPT.init(p), torch.randn(4, 8, device="meta")
+
+
 def test_a_program_compiled_again_comes_from_inductors_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold cache of this test's own
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
@@ -58,33 +72,16 @@ def test_cached_program_keeps_static_shapes_and_its_analysis(tmp_path, monkeypat
 
 def test_a_step_over_meta_tensors_runs_under_the_default_backend() -> None:
     """A shape-only dry run: Inductor's constant folding failed on meta values (torch's, `torch.compile` too)."""
-    opt = pf.optim.adamw(1e-2)
-
-    def step(p: torch.Tensor, state: tuple, x: torch.Tensor) -> tuple:
-        g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
-        updates, state = opt.update(g, state, p)
-        return pf.optim.apply_updates(p, updates), state
-
-    p, x = torch.randn(8, 3, device="meta"), torch.randn(4, 8, device="meta")
-    state = opt.init(p)
-    new_p, new_state = pf.jit(step)(p, state, x)
-    want_p, want_state = step(p, state, x)
+    args = _meta_args()
+    new_p, new_state = pf.jit(_meta_step)(*args)
+    want_p, want_state = _meta_step(*args)
     assert new_p.device.type == "meta" and new_p.shape == want_p.shape
     assert [t.shape for t in pf.tree.leaves(new_state)] == [t.shape for t in pf.tree.leaves(want_state)]
 
 
 def test_meta_dry_run_with_a_cpu_scalar_argument_runs() -> None:
     """A 0-d CPU tensor (a learning rate) mixes with meta tensors: still a dry run, not a program for Inductor."""
-
-    opt = pf.optim.adamw(1e-2)  # its constants are what Inductor's folding fails on
-
-    def step(p: torch.Tensor, state: tuple, x: torch.Tensor, lr: torch.Tensor) -> tuple:
-        g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
-        updates, state = opt.update(g, state, p)
-        return pf.optim.apply_updates(p, pf.tree.map(lambda u: u * lr, updates)), state
-
-    p, x = torch.randn(8, 3, device="meta"), torch.randn(4, 8, device="meta")
-    out, _ = pf.jit(step)(p, opt.init(p), x, torch.tensor(0.5))
+    out, _ = pf.jit(_meta_step)(*_meta_args(), torch.tensor(0.5))
     assert out.device.type == "meta" and out.shape == (8, 3)
 
 
@@ -109,13 +106,5 @@ def test_programs_without_pt3func_ops_get_the_loop_split_guard(tmp_path, monkeyp
 
 def test_meta_dry_run_of_a_donating_step_runs() -> None:
     """Every meta tensor's data_ptr is 0: the donation overlap check took distinct meta tensors for one buffer."""
-    opt = pf.optim.adamw(1e-2)
-
-    def step(p: torch.Tensor, state: tuple, x: torch.Tensor) -> tuple:
-        g = pf.grad(lambda p: (x @ p).pow(2).mean())(p)
-        updates, state = opt.update(g, state, p)
-        return pf.optim.apply_updates(p, updates), state
-
-    p, x = torch.randn(8, 3, device="meta"), torch.randn(4, 8, device="meta")
-    out, _ = pf.jit(step, donate_argnums=(0, 1))(p, opt.init(p), x)
+    out, _ = pf.jit(_meta_step, donate_argnums=(0, 1))(*_meta_args())
     assert out.device.type == "meta" and out.shape == (8, 3)

@@ -17,23 +17,13 @@ import pt3func as pf
 from pt3func import P
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A real torch.distributed world of this process alone, ended after the test (a virtual mesh needs none)."""
-    assert not dist.is_initialized()
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    yield pf.make_mesh((1,), ("dp",))
-    dist.destroy_process_group()
-
-
 def _step(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return w - 0.1 * w * x
 
 
-def test_copied_dtensors_run_the_program_of_the_original(world_of_one):
+def test_copied_dtensors_run_the_program_of_the_original(world_of_one_mesh):
     """copy.deepcopy / torch.load give a DTensor a new, equal DeviceMesh: the step runs the program it has."""
-    mesh = world_of_one
+    mesh = world_of_one_mesh
     ns = pf.NamedSharding(mesh, P("dp"))
     step = pf.jit(_step, backend="eager")
     w0, x0 = torch.arange(8.0).reshape(4, 2), torch.full((4, 2), 0.5)
@@ -54,11 +44,11 @@ def test_copied_dtensors_run_the_program_of_the_original(world_of_one):
     torch.testing.assert_close(pf.device_get(w), expect)
 
 
-def test_different_meshes_keep_different_programs(world_of_one):
+def test_different_meshes_keep_different_programs(world_of_one_mesh):
     """Other axis names or other process groups over the same ranks are other meshes (other programs)."""
     from pt3func.trace.signature import _mesh_id
 
-    dm = world_of_one.device_mesh
+    dm = world_of_one_mesh.device_mesh
     assert _mesh_id(copy.deepcopy(dm)) == _mesh_id(dm)
     renamed = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
     regrouped = DeviceMesh.from_group(dist.new_group([0]), "cpu", mesh_dim_names=("dp",))
@@ -74,8 +64,8 @@ def test_different_meshes_keep_different_programs(world_of_one):
     assert step.trace_count() == 3
 
 
-def test_real_mesh_copies_are_the_mesh(world_of_one):
-    _check_mesh_copies(world_of_one)
+def test_real_mesh_copies_are_the_mesh(world_of_one_mesh):
+    _check_mesh_copies(world_of_one_mesh)
 
 
 def test_virtual_mesh_copies_are_the_mesh():
@@ -122,13 +112,13 @@ def test_set_mesh_setter_is_seen_by_other_threads():
         pf.set_mesh(None)
 
 
-def test_overlapping_set_mesh_blocks_of_threads_never_change_the_main_threads_mesh():
+def test_overlapping_set_mesh_blocks_of_threads_never_change_the_main_threads_mesh(world_of_one_mesh):
     """Two threads entering and leaving `with pf.set_mesh(...)` while the main thread set its own: before, the
     blocks chained a process-wide default and left it on one of theirs for good."""
     import sys
     import threading
 
-    a, b, c = (pf.make_mesh((1,), (name,)) for name in ("a", "b", "c"))
+    a, b, c = world_of_one_mesh, *(pf.make_mesh((1,), (name,)) for name in ("b", "c"))
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:

@@ -8,7 +8,6 @@ from collections import OrderedDict
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
 import pt3func as pf
@@ -183,18 +182,9 @@ def test_device_put_of_parameters_on_a_virtual_mesh(mesh):
         torch.testing.assert_close(pf.device_get(out), module(x).detach())
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    assert not dist.is_initialized()
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    yield pf.make_mesh((1,), ("dp",))
-    dist.destroy_process_group()
-
-
-def test_put_of_a_tensor_with_a_graph(world_of_one):
+def test_put_of_a_tensor_with_a_graph(world_of_one_mesh):
     w = torch.randn(4, 3, requires_grad=True)
-    with pf.set_mesh(world_of_one):
+    with pf.set_mesh(world_of_one_mesh):
         placed = pf.device_put(w * 2, P("dp"))  # differentiable, as jax.device_put is (split locally, no scatter)
         torch.testing.assert_close(pf.device_get(placed).detach(), (w * 2).detach())
         placed.full_tensor().sum().backward()
