@@ -21,7 +21,7 @@ class DonatedTensor(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         victim = next((a for a in args if is_donated(a)), None)
-        where = getattr(victim, "_pt3func_donated", "a jitted step")
+        where = donated_to(victim)
         raise DonationError(
             f"this tensor was donated to {where}: its buffer now holds that call's outputs, so it can no "
             "longer be read. Use the values the call returned instead (e.g. `params, opt_state, m = "
@@ -29,7 +29,7 @@ class DonatedTensor(torch.Tensor):
         )
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
-        return f"DonatedTensor(<donated to {getattr(self, '_pt3func_donated', 'a jitted step')}>)"
+        return f"DonatedTensor(<donated to {donated_to(self)}>)"
 
 
 _DONATED_SUBCLASSES: dict[type, type] = {}
@@ -66,6 +66,11 @@ def invalidate(t: torch.Tensor, where: str) -> None:
 
 def is_donated(t: Any) -> bool:
     return isinstance(t, DonatedTensor) or getattr(type(t), "_pt3func_is_donated", False)
+
+
+def donated_to(t: Any) -> str:
+    """The program a donated tensor was donated to, as its errors and repr name it."""
+    return getattr(t, "_pt3func_donated", "a jitted step")
 
 
 def refuse_inference_donation(name: str, labels: Any, leaves: Any, donated: Any) -> None:

@@ -495,12 +495,12 @@ class VirtualArray:
         return VirtualArray(self.mesh, self.mesh.run(lambda rank: _copy_tensor(self.locals[rank])))
 
     def __repr__(self) -> str:
-        from pt3func.runtime.donated import is_donated
+        from pt3func.runtime.donated import donated_to, is_donated
 
         # Donated to a step: printing it (a params dict in a notebook) must not raise, as a donated tensor's repr
         # does not; every rank's value was donated by the one call.
         if is_donated(self.locals[0]):
-            return f"VirtualArray(<donated to {getattr(self.locals[0], '_pt3func_donated', 'a jitted step')}>)"
+            return f"VirtualArray(<donated to {donated_to(self.locals[0])}>)"
         return f"VirtualArray(shape={tuple(self.shape)}, dtype={self.dtype}, placements={self.placements})"
 
     def __copy__(self) -> VirtualArray:

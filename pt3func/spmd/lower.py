@@ -404,7 +404,7 @@ def invalidate_donated_originals(
     silently be wrong. Returns {index among the leaves of `call` (the (args, kwargs) placed): the program's
     name} for those tensors, for `invalidate_call_leaves`.
     """
-    from pt3func.runtime.donated import invalidate, is_donated
+    from pt3func.runtime.donated import donated_to, invalidate, is_donated
     from pt3func.runtime.virtual import is_virtual_leaf
     from pt3func.tree import leaves
 
@@ -416,7 +416,7 @@ def invalidate_donated_originals(
         index.setdefault(id(leaf), k)
     done: dict[int, str] = {}
     for original, put in donated:
-        where = getattr(put, "_pt3func_donated", "a jitted step")
+        where = donated_to(put)
         invalidate(original, where)
         if id(original) in index:
             done[index[id(original)]] = where
