@@ -61,6 +61,7 @@ from pt3func.stages import (
     dict_orders,
     pair_rank_lowerings,
     refuse_donating_captured,
+    scalar_tensor,
 )
 from pt3func.trace import capture
 from pt3func.trace.leaf_memo import LastCall, LeafKeyMemo
@@ -423,6 +424,14 @@ class Jitted:
         """The watch of a trace that called these modules: the signature's existing one for the same modules."""
         watch = ModuleWatch(recording)
         watches = self._watches.setdefault(key[:6], [])
+        # A watch whose modules died is dropped with its programs: its modes read None from then on, and a new
+        # module can take a dead one's id, which must not find the dead watch (nor its keys, traced with None).
+        dead = [known for known in watches if not known.alive()]
+        if dead:
+            watches[:] = [known for known in watches if known.alive()]
+            for table in (self._cache, self._lowered):
+                for old in [k for k in table if len(k) > 6 and any(k[6][0] is d for d in dead)]:
+                    del table[old]
         for known in watches:
             if known.ids == watch.ids:
                 return known
@@ -542,7 +551,7 @@ class Jitted:
                     else (torch.int64 if isinstance(leaf, int) else torch.get_default_dtype())
                 )
                 scalar_dtypes[i] = dtype
-                example_inputs.append(torch.tensor(leaf, dtype=dtype, device=device))
+                example_inputs.append(scalar_tensor(leaf, dtype, device, labels[i], self.name))
             else:
                 kinds.append("static")
                 continue

@@ -380,7 +380,7 @@ class Compiled:
             if kind == "dtensor":
                 leaf = leaf._local_tensor
             elif kind == "scalar" and not self._graphed:  # a graph fills its own scalar buffer
-                leaf = torch.tensor(leaf, dtype=p.scalar_dtypes[i], device=p.scalar_device)
+                leaf = scalar_tensor(leaf, p.scalar_dtypes[i], p.scalar_device, p.input_labels[i], p.name)
             inputs.append(leaf)
         if self._check_overlap:
             self._refuse_donation_overlap(leaves, inputs)
@@ -442,6 +442,19 @@ class Compiled:
         if self._output_keys is None:
             self._output_keys = [leaf_key(x) if isinstance(x, torch.Tensor) else None for x in out_leaves]
         return self._output_keys
+
+
+def scalar_tensor(value: Any, dtype: torch.dtype, device: torch.device, label: str, name: str) -> torch.Tensor:
+    """A Python scalar argument as the 0-d tensor the program takes; a value that dtype cannot hold (an int
+    beyond int64) named, where torch's own error names neither the argument nor the way out."""
+    try:
+        return torch.tensor(value, dtype=dtype, device=device)
+    except (OverflowError, RuntimeError, ValueError) as exc:
+        raise TracingError(
+            f"{name}: argument {label} = {value!r} does not fit in {str(dtype).replace('torch.', '')}, the dtype a "
+            f"Python {type(value).__name__} is traced as ({exc}): pass it as a tensor of a dtype that holds it, or "
+            "make it static (static_argnums / static_argnames)"
+        ) from None
 
 
 def pair_rank_lowerings(per_rank: list[Lowered]) -> Lowered:

@@ -125,6 +125,10 @@ class ModuleWatch:
         self.names = [type(m).__name__ for m in kept]
         self.ids = frozenset(id(m) for m in kept)
 
+    def alive(self) -> bool:
+        """Whether every watched module is still alive (then `ids` name exactly these modules)."""
+        return all(r() is not None for r in self._refs)
+
     def modes(self) -> tuple:
         """Each watched module's `training` flag (None once it is gone), with its hooks' handle ids where it has
         hooks, then the global module hooks' where there are any; () when no module is watched.
