@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from pt3func._compat import is_plain_shard
 
@@ -47,11 +47,22 @@ def exact_mean(func: Callable, args: tuple, kwargs: dict) -> Any:
         return None
     per_target = func(**dict(call, reduction="none"))
     counted = target != call.get("ignore_index", -100)
+    # Half-precision losses are summed and divided in float32 and rounded once, as torch's CUDA kernel does: in
+    # bf16 the count itself rounded (1714 -> 1712) and each partial sum lost bits (a loss one bf16 ulp off one
+    # device's); in fp16 a block whose losses add up past 65504 gave inf. float32 and float64 keep their dtype.
+    acc = torch.promote_types(per_target.dtype, torch.float32)
     if weight is None:
-        total = counted.sum().to(per_target.dtype)
+        total = counted.sum().to(acc)
     else:
-        total = (weight[torch.where(counted, target, torch.zeros_like(target))] * counted).sum()
-    return per_target.sum() / total
+        total = (weight.to(acc)[torch.where(counted, target, torch.zeros_like(target))] * counted).sum()
+    loss_sum = per_target.to(acc).sum()
+    if acc != per_target.dtype:
+        # DTensor keeps the blocks' sums pending until the output, where they would be rounded to half precision
+        # and added in it: added now, in float32 (the same one all-reduce, of 4 bytes).
+        loss_sum = loss_sum.redistribute(
+            loss_sum.device_mesh, [Replicate() if p.is_partial() else p for p in loss_sum.placements]
+        )
+    return (loss_sum / total).to(per_target.dtype)
 
 
 def _split_along_batch(x: Any) -> bool:

@@ -236,6 +236,53 @@ def _reseeding_message(where: str, call: str, fn_name: str) -> str:
     )
 
 
+# torch.set_default_dtype and torch.set_default_tensor_type both end in these: patched rather than the Python
+# wrappers, so a name imported before the trace (`from torch import set_default_dtype`) is covered too.
+_DEFAULT_DTYPE_SETTERS = {"_set_default_dtype": "set_default_dtype",
+                          "_set_default_tensor_type": "set_default_tensor_type"}
+_TORCH_INIT = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "__init__.py")
+
+
+@contextlib.contextmanager
+def _no_default_dtype_changes(fn_name: str) -> Iterator[None]:
+    """Make a change of the default dtype by user code inside the step raise.
+
+    The trace records a factory op without a dtype (`aten.ones([4])`) and a Python scalar's promotion
+    (`aten.div.Tensor(int64, 3.0)`) as torch calls them, and the program runs them under the default dtype of its
+    caller: the dtype the step set while traced was lost (its float64 table computed in float32). A set that
+    changes nothing runs (the restore in a `finally` after this refusal, a library setting the dtype already set);
+    so does torch's own (its numpy layer sets and restores the dtype around a conversion).
+    """
+    import torch._C as C
+
+    patched = []
+    for name, public in _DEFAULT_DTYPE_SETTERS.items():
+        original = getattr(C, name)
+
+        def guarded(value: Any, _original: Callable = original, _public: str = public) -> None:
+            dtype = value if _public == "set_default_dtype" else getattr(value, "dtype", None)
+            if not _in_trace() or dtype == torch.get_default_dtype():
+                return _original(value)
+            caller = sys._getframe(1)
+            while caller.f_back is not None and (is_stdlib_file(caller.f_code.co_filename)
+                                                 or os.path.abspath(caller.f_code.co_filename) == _TORCH_INIT):
+                caller = caller.f_back  # torch.set_default_dtype's wrapper, a contextlib-made context manager
+            if is_user_file(caller.f_code.co_filename):
+                raise ImpureFunctionError(
+                    f"{describe(caller.f_code.co_filename, caller.f_lineno)}: torch.{_public}() inside jitted "
+                    f"'{fn_name}' changes the default dtype, which a trace cannot record: the program would run the "
+                    "step's factory ops (torch.ones(n)) and Python-scalar promotions under the default dtype of the "
+                    "code calling it, not the one set here. Set the default dtype around the call instead "
+                    "(torch.set_default_dtype(d); step(...): a program is kept per default dtype), or give the "
+                    "ops in the step an explicit dtype (torch.ones(n, dtype=torch.float64), x.double())."
+                )
+            return _original(value)
+
+        patched.append((C, name, guarded))
+    with _attributes_replaced(patched):
+        yield
+
+
 def _default_generator_states() -> list[torch.Tensor]:
     """The states of torch's default generators: the CPU one, and CUDA's where CUDA is started."""
     generators = [torch.default_generator]
@@ -531,9 +578,9 @@ def trace(
     """Trace `fn(*flat_tensors) -> list of tensors` into an aten GraphModule (fake mode, stack traces kept)."""
     try:
         with TRACE_LOCK, _tracing_in_this_thread(fn_name), _no_printing_traced_tensors(fn_name), \
-                _no_reseeding(fn_name), _no_backward(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced(), \
-                _TracedCallRules(fn_name), _inlining_compiled_functions(), _anomaly_nan_checks_off(fn_name), \
-                torch_checkpoint_as_regions():
+                _no_reseeding(fn_name), _no_default_dtype_changes(fn_name), _no_backward(fn_name), \
+                _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name), \
+                _inlining_compiled_functions(), _anomaly_nan_checks_off(fn_name), torch_checkpoint_as_regions():
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             def traced() -> torch.fx.GraphModule:
