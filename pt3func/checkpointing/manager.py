@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import operator
 import os
+import sys
 import uuid
 import warnings
 from collections.abc import Callable
@@ -16,16 +18,40 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from pt3func.checkpointing import keys
 from pt3func.checkpointing import manifest as mf
 from pt3func.checkpointing.errors import CheckpointError
 from pt3func.checkpointing.per_rank import check_plain_leaves_agree
+from pt3func.runtime.donated import donated_to, is_donated
 from pt3func.tree import NAMESPACE, PyTree
 
 # DCP warns on every single-process save and load; saving without a process group is what we mean there.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming",
                         category=UserWarning)
+
+
+# The async saves no wait() has collected yet: {their commit's future: (step, directory)}. At exit, one that failed
+# is reported on stderr (`_report_unwaited`): an async save left in flight while the process group is destroyed
+# fails in the background thread, and nothing else would ever say so.
+_UNWAITED: dict[Future, tuple[int, Path]] = {}
+
+
+def _report_unwaited() -> None:
+    """At interpreter exit (after the writer threads are joined): name every async save that never committed."""
+    for future, (step, directory) in list(_UNWAITED.items()):
+        error = future.exception()  # done by now: the executor's threads are joined before atexit runs
+        if error is not None:
+            sys.stderr.write(
+                f"pt3func: the async checkpoint save of step {step} into {directory} did NOT commit: "
+                f"{type(error).__name__}: {error}\n  Call CheckpointManager.wait() before exiting and before "
+                f"torch.distributed.destroy_process_group(): the save's write runs in the background on that "
+                f"process group.\n")
+    _UNWAITED.clear()
+
+
+atexit.register(_report_unwaited)
 
 
 def _distributed() -> bool:
@@ -135,7 +161,7 @@ class CheckpointManager:
             return
         self.wait()
         _check_storable(flat)
-        latest = self._broadcast(self.latest_step() if self._rank() == 0 else None)  # rank 0's disk decides
+        latest = self._rank0(self._scan, f"reading {self.directory}")  # rank 0's disk decides
         if latest is not None and step < latest:
             # Steps are ordered by number (latest_step, restore(), max_to_keep): an older one saved after a newer
             # one would be pruned at once or shadowed by the newer one.
@@ -148,11 +174,7 @@ class CheckpointManager:
             check_plain_leaves_agree(step, flat, self._ckpt_group())
         manifest = mf.new_manifest(int(step), structure, flat, world)
         state_dict = {key: _unshared_scalar(leaf) for key, leaf in flat.items() if key not in manifest["values"]}
-        if self._rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in mf.tmp_dirs(self.directory):  # left by a crash: no save is in flight now
-                mf.remove(stale)
-        token = self._broadcast(uuid.uuid4().hex if self._rank() == 0 else None)  # one temp dir for all ranks
+        token = self._rank0(self._prepare, f"preparing {self.directory} for step {step}")  # one temp dir for all
         tmp = self.directory / f"step_{step}{mf.TMP_MARK}{token}"
         options: dict[str, Any] = {"storage_writer": dcp.FileSystemWriter(tmp), "process_group": self._ckpt_group(),
                                    "no_dist": not _distributed()}
@@ -166,6 +188,7 @@ class CheckpointManager:
                 self.wait()
             else:
                 self._pending = (int(step), self._executor.submit(self._commit, written, tmp, manifest))
+                _UNWAITED[self._pending[1]] = (int(step), self.directory)
         else:
             done: Future = Future()
             try:
@@ -176,6 +199,20 @@ class CheckpointManager:
                 done.set_exception(e)
             self._pending = (int(step), done)
             self.wait()
+
+    def _scan(self) -> int | None:
+        """Rank 0, no save in flight: bring back a step a crash left only as a complete temporary directory, then
+        the latest committed step."""
+        mf.recover(self.directory)
+        return self.latest_step()
+
+    def _prepare(self) -> str:
+        """Rank 0, no save in flight: make the directory, delete what crashed saves left; the new save's token."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        mf.recover(self.directory)  # before the clean-up: a crashed re-save may have left the only complete copy
+        for stale in mf.tmp_dirs(self.directory):
+            mf.remove(stale)
+        return uuid.uuid4().hex
 
     def _commit(self, written: Future | None, tmp: Path, manifest: dict[str, Any]) -> None:
         """Runs once this rank's write finished; on rank 0 (whose write finishes last: DCP gathers every
@@ -199,6 +236,7 @@ class CheckpointManager:
             return
         step, pending = self._pending
         self._pending = None
+        _UNWAITED.pop(pending, None)
         try:
             pending.result()
             error = None
@@ -247,7 +285,8 @@ class CheckpointManager:
                 for i, (leaf, virtual) in enumerate(zip(leaves, virtual_at, strict=True))
             ])
         self.wait()
-        choice = self._broadcast(self._choose(step, fallback, verify) if self._rank() == 0 else None)
+        choice = self._rank0(lambda: self._choose(step, fallback, verify),
+                             f"choosing the checkpoint to restore from {self.directory}")
         if isinstance(choice, str):
             raise CheckpointError(choice)
         chosen, manifest = choice
@@ -283,6 +322,7 @@ class CheckpointManager:
             raise CheckpointError(f"the target's leaf {key!r} is not in checkpoint {directory} (it holds: {held})")
         if not isinstance(leaf, torch.Tensor):
             return _empty(info)
+        _refuse_donated(key, leaf, "restore into")
         if list(leaf.shape) != info["shape"]:
             raise CheckpointError(f"the target's leaf {key!r} has shape {tuple(leaf.shape)} but checkpoint "
                                   f"{directory} saved {tuple(info['shape'])}")
@@ -290,10 +330,17 @@ class CheckpointManager:
         if dtype != info["dtype"]:  # DCP would cast silently (float -> int truncates, int64 -> float32 rounds)
             raise CheckpointError(f"the target's leaf {key!r} is {dtype} but checkpoint {directory} saved "
                                   f"{info['dtype']}; restore without a target (or with one of that dtype) and cast")
+        if leaf.is_meta:
+            if isinstance(leaf, DTensor):
+                raise CheckpointError(f"the target's leaf {key!r} is a DTensor on the meta device (no data): DCP "
+                                      f"cannot load its shards there; make the target's DTensors on the mesh's device")
+            # A shape-only target (made on the meta device, as jax.eval_shape's): the value comes back on the CPU.
+            return _empty(info)
         return torch.empty_like(leaf)  # a DTensor stays a DTensor of the same mesh and placements
 
     def _choose(self, step: int | None, fallback: bool, verify: bool) -> tuple[int, dict[str, Any]] | str:
         """Rank 0's pick of the step to load and its manifest, or the message of why there is none."""
+        mf.recover(self.directory)
         steps = self.all_steps()
         if step is not None and step not in steps:
             return f"no committed checkpoint for step {step} in {self.directory} (committed: {steps})"
@@ -307,10 +354,12 @@ class CheckpointManager:
                 if verify:
                     mf.verify(directory, manifest)
                 return candidate, manifest
-            except CheckpointError as e:
+            except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+                # A manifest of the right format but missing fields, or a file that cannot be read: this step's fault.
+                why = str(e) if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
                 if step is not None or not fallback:
-                    return str(e)
-                warnings.warn(f"skipping checkpoint step {candidate}: {e}", stacklevel=3)
+                    return why
+                warnings.warn(f"skipping checkpoint step {candidate}: {why}", stacklevel=5)
         return f"no loadable checkpoint in {self.directory}: every committed step failed its checks"
 
     # -- process group --
@@ -324,6 +373,26 @@ class CheckpointManager:
         if self._group is None and _distributed():
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    def _rank0(self, section: Callable[[], Any], doing: str) -> Any:
+        """`section()` run on rank 0 (its file work), its result on every rank.
+
+        If it raises (a directory path that is a file, permission denied, a full disk), every rank raises a
+        CheckpointError naming `doing` and the cause: the other ranks wait in the broadcast that follows, and would
+        otherwise sit there until the collective timeout while rank 0 alone reports the error.
+        """
+        outcome: tuple[bool, Any] | None = None
+        cause = None
+        if self._rank() == 0:
+            try:
+                outcome = (True, section())
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                cause = e
+                outcome = (False, f"{doing} failed on rank 0: {type(e).__name__}: {e}")
+        ok, value = self._broadcast(outcome)
+        if not ok:
+            raise CheckpointError(value) from cause
+        return value
 
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
@@ -345,10 +414,27 @@ def _leaves(tree: PyTree) -> list[Any]:
 def _check_storable(flat: dict[str, Any]) -> None:
     """Refuse, naming the key, tensors DCP cannot write (it fails while staging them, naming nothing)."""
     for key, leaf in flat.items():
-        if isinstance(leaf, torch.Tensor) and (leaf.layout != torch.strided or leaf.is_meta):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        _refuse_donated(key, leaf, "save")
+        if isinstance(leaf, DTensor) and any(p.is_partial() for p in leaf.placements):
+            raise CheckpointError(
+                f"the leaf {key!r} is a DTensor with a Partial placement ({list(leaf.placements)}): its value is a sum "
+                f"of the ranks' pending parts, which a checkpoint cannot hold; save x.redistribute(placements="
+                f"[Replicate() or Shard(d) per axis]) or pf.device_get(x) instead"
+            )
+        if leaf.layout != torch.strided or leaf.is_meta:
             what = "a meta tensor (no data)" if leaf.is_meta else f"a {leaf.layout} tensor"
             hint = "" if leaf.is_meta else "; save x.to_dense() (or its indices and values) instead"
             raise CheckpointError(f"the leaf {key!r} is {what}, which a checkpoint cannot hold{hint}")
+
+
+def _refuse_donated(key: str, leaf: torch.Tensor, doing: str) -> None:
+    if is_donated(leaf):
+        raise CheckpointError(
+            f"cannot {doing} the leaf {key!r}: it was donated to {donated_to(leaf)}, whose outputs now fill its "
+            f"buffer; {doing} the tree of values the step returned instead (e.g. `params, opt_state = step(...)`)"
+        )
 
 
 def _unshared_scalar(leaf: Any) -> Any:

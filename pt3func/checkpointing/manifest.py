@@ -5,7 +5,9 @@
       step_200.tmp-<uuid>/       being written, or left by a crash: ignored, removed by the next save
 
 A step directory counts only once it is named `step_N` and holds `manifest.json`: the manifest is written
-(and fsynced) last, and the rename from the temporary name is the commit.
+(and fsynced) last, and the rename from the temporary name is the commit. A temporary copy whose manifest is
+there and whose files pass their checksums is complete: where `step_N` is missing (a crash between the renames of
+a re-save), `recover` renames it back before the next save cleans up.
 """
 
 from __future__ import annotations
@@ -54,6 +56,35 @@ def tmp_dirs(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return [entry for entry in directory.iterdir() if _OURS_TMP.match(entry.name) and entry.is_dir()]
+
+
+def recover(directory: Path) -> list[int]:
+    """Rename back to `step_N` each complete temporary copy of a step `N` that has no `step_N`; the steps recovered.
+
+    Re-saving a step renames the committed `step_N` aside (`step_N.tmp-replaced-*`) and then the new copy to
+    `step_N`; a crash between the two renames leaves both, complete, under temporary names. A copy counts when its
+    manifest is of step N and every file passes its checksum; of several, the newest manifest wins (the re-save).
+    Copies being deleted (pruned steps) never come back. Call it only while no save of this directory is in flight.
+    """
+    candidates: dict[int, list[tuple[float, Path]]] = {}
+    for tmp in tmp_dirs(directory):
+        name, _, kind = tmp.name.partition(TMP_MARK)
+        step = int(name.removeprefix("step_"))
+        if kind.startswith("deleting-") or step_dir(directory, step).exists() or not (tmp / MANIFEST).is_file():
+            continue
+        try:
+            manifest = read_manifest(tmp)
+            if manifest.get("step") != step:
+                continue
+            verify(tmp, manifest)
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            continue  # not a complete copy: the next save deletes it
+        candidates.setdefault(step, []).append((float(manifest.get("time") or 0.0), tmp))
+    for step, copies in candidates.items():
+        os.rename(max(copies)[1], step_dir(directory, step))
+    if candidates:
+        _fsync(directory)
+    return sorted(candidates)
 
 
 def _versions() -> dict[str, str]:

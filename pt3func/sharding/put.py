@@ -34,16 +34,21 @@ def _is_sharding(x: Any) -> bool:
 
 
 def broadcast_shardings(
-    tree: PyTree, shardings: PyTree
+    tree: PyTree, shardings: PyTree, *, scalars_whole: bool = True
 ) -> tuple[list[tuple], list[Any], list[Sharding], optree.PyTreeSpec]:
-    """Paths, leaves and the sharding of every leaf of `tree` (`shardings` is a pytree prefix of it)."""
+    """Paths, leaves and the sharding of every leaf of `tree` (`shardings` is a pytree prefix of it).
+
+    `scalars_whole`: a 0-d leaf that a prefix gives a split spec is kept whole (`_scalars_whole`); without it the
+    split spec reaches the leaf, for the caller to refuse (shard_map's out_specs: a per-rank 0-d output)."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_sharding, none_is_leaf=True,
                                                            namespace=NAMESPACE)
     try:
         per_leaf = broadcast_prefix(shardings, tree, is_leaf=_is_sharding, none_is_leaf=True)
     except PrefixError as e:
         raise ShardingError(f"the shardings are not a pytree prefix of the value: {e}") from None
-    return paths, leaves, _scalars_whole(paths, leaves, per_leaf, shardings), treedef
+    if scalars_whole:
+        per_leaf = _scalars_whole(paths, leaves, per_leaf, shardings)
+    return paths, leaves, per_leaf, treedef
 
 
 def _scalars_whole(paths: list[tuple], leaves: list[Any], per_leaf: list[Any], shardings: PyTree) -> list[Any]:
@@ -156,14 +161,31 @@ def make_array_from_process_local_data(sharding: Sharding, local_data: torch.Ten
 
 
 def device_get(tree: PyTree) -> PyTree:
-    """Every DTensor of `tree` as its full plain tensor (collective); everything else unchanged."""
+    """Every DTensor of `tree` as its full plain tensor (collective); everything else unchanged.
+
+    The full tensors never share memory with the DTensors' buffers: they keep their values when those are donated
+    to a jitted step or changed in place.
+    """
     vmesh = _virtual_mesh(tree, None)
     if vmesh is not None:
         from pt3func.runtime import virtual
 
         return virtual.device_get(vmesh, tree)
-    return optree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree,
+    return optree.tree_map(lambda x: unaliased(x.full_tensor(), x) if isinstance(x, DTensor) else x, tree,
                            none_is_leaf=True, namespace=NAMESPACE)
+
+
+def unaliased(full: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """`full` (the gathered value of `source`), copied if it shares `source`'s buffer.
+
+    A DTensor replicated over every mesh axis gathers to its own local tensor: handed out as is, a snapshot taken
+    before a donated step would change under the caller when the step writes its outputs into that buffer. A gather
+    that made a new tensor is returned without a second copy.
+    """
+    local = source.to_local() if isinstance(source, DTensor) else source
+    if full.numel() and full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        return full.clone()
+    return full
 
 
 def sharding_of(x: Any) -> NamedSharding | None:
