@@ -49,3 +49,18 @@ def test_int_beyond_int64_is_named() -> None:
     assert torch.equal(f(x, 3), x * 3)
     with pytest.raises(pf.TracingError, match=r"argument s = -9223372036854775809 .*static_argnums"):
         f(x, -(2**63) - 1)  # a cached program: the value is converted at call time
+
+
+def test_packed_sequence_is_named_as_a_value_read() -> None:
+    # torch's RNN sizes its initial state by a packed sequence's batch_sizes[0]: a traced tensor as a size gave a
+    # bare TypeError ("argument 'size' ... got FakeTensor") without the user's line.
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    params, apply = pf.functionalize(nn.GRU(4, 6, batch_first=True))
+
+    def loss(p, x, lengths):
+        _, h = apply(p, pack_padded_sequence(x, lengths, batch_first=True))
+        return h.square().mean()
+
+    with pytest.raises(pf.DataDependentControlFlowError, match=r"test_jit_s18.py:\d+"):
+        pf.jit(loss, backend="eager")(params, torch.randn(3, 5, 4), torch.tensor([5, 3, 2]))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pt3func import tree
 from pt3func.errors import ShardingError
+from pt3func.runtime.rank_generators import drawing_from
 from pt3func.sharding.mesh import Mesh
 
 # In a rank thread: .rank; while it runs a job, .world (the VirtualWorld it belongs to) and .mesh (the VirtualMesh)
@@ -106,12 +107,17 @@ class VirtualWorld:
                 "that calls the step"
             )
         job = _in_callers_modes(job)
+        # Every rank draws from a copy of the caller's generator, as every process of a real world seeded alike
+        # draws from its own (`rank_generators`); the caller's goes on from where rank 0's ended.
+        state = torch.default_generator.get_state()
+        generators = [torch.Generator().set_state(state) for _ in range(self.size)]
 
         def in_world(rank: int) -> Any:
             # Named for the job only: a rank thread that kept its world in thread-local storage would keep it alive.
             _LOCAL.world = self
             try:
-                return job(rank)
+                with drawing_from(generators[rank]):
+                    return job(rank)
             finally:
                 _LOCAL.world = None
 
@@ -122,7 +128,9 @@ class VirtualWorld:
                 # The call's own queue: a rank still running the job of an interrupted caller (Ctrl-C while waiting)
                 # replies there, never to the next caller's queue.
                 replies: queue.Queue = queue.Queue()
-                return self._wait(in_world, replies)
+                results = self._wait(in_world, replies)
+                torch.default_generator.set_state(generators[0].get_state())
+                return results
             finally:
                 _CALLER.running = False
 
@@ -670,8 +678,12 @@ def device_put(mesh: VirtualMesh, tree_: Any, shardings: Any) -> Any:
 
 def device_get(mesh: VirtualMesh, tree_: Any) -> Any:
     from pt3func.sharding.put import device_get as get
+    from pt3func.sharding.put import unaliased
 
-    tree_ = _gather_foreign(mesh, tree_)
+    # An array of another mesh is gathered there; replicated, its full value is that mesh's rank 0 buffer, which a
+    # donated step on that mesh would overwrite under the caller's snapshot.
+    tree_ = tree.map(lambda x: unaliased(x.full(), x.locals[0]) if isinstance(x, VirtualArray) and x.mesh is not mesh
+                     else x, tree_, is_leaf=is_virtual_leaf)
     return mesh.run(lambda rank: get(scatter_tree(tree_, rank)))[0]
 
 

@@ -67,6 +67,10 @@ def _is_data_dependent(exc: BaseException) -> bool:
         text = str(exc)
         if isinstance(exc, RuntimeError) and any(m in text for m in _DATA_DEPENDENT_MESSAGES):
             return True
+        if isinstance(exc, TypeError) and "FakeTensor" in text:
+            # A traced tensor where torch wants a Python number (`torch.zeros(batch_sizes[0])` in a packed
+            # sequence's RNN: "argument 'size' ... got FakeTensor")
+            return True
         if isinstance(exc, NotImplementedError) and "sharding strategy" in text and any(
             f"{op}." in text or f"{op} " in text for op in _VALUE_SHAPED_OPS
         ):

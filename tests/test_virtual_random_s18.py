@@ -1,0 +1,53 @@
+"""Session 18: a virtual mesh's ranks draw random numbers as one device (and a real world's ranks) do.
+
+Rank threads shared the process's one CPU generator, so their draws took turns on it: a dropout on a virtual mesh
+dropped other positions than one device, and the run depended on the threads' order."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pt3func as pf
+from pt3func import P
+
+
+def _loss(p, x):
+    h = F.dropout(x @ p["w"], 0.3)
+    return (h * torch.rand(h.shape[-1])).square().mean()  # a split dropout and a replicated draw
+
+
+@pytest.mark.parametrize(
+    "shape,names,wspec,xspec",
+    [
+        ((2,), ("dp",), P(), P("dp")),
+        ((2,), ("tp",), P(None, "tp"), P()),
+        ((2, 2), ("dp", "tp"), P(None, "tp"), P("dp")),
+    ],
+)
+def test_random_draws_on_a_virtual_mesh_are_one_devices(shape, names, wspec, xspec) -> None:
+    torch.manual_seed(0)
+    params, x = {"w": torch.randn(8, 16)}, torch.randn(4, 8)
+    step = pf.jit(pf.value_and_grad(_loss), backend="eager")
+    torch.manual_seed(5)
+    want, want_grad = step(params, x)
+    want_next = torch.rand(3)
+    with pf.set_mesh(pf.make_mesh(shape, names, virtual=True)):
+        torch.manual_seed(5)
+        got, grad = pf.device_get(step(pf.device_put(params, {"w": wspec}), pf.device_put(x, xspec)))
+        got_next = torch.rand(3)  # the caller's generator goes on where one device's does
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad["w"], want_grad["w"])
+    assert torch.equal(got_next, want_next)
+
+
+def test_random_draws_on_a_virtual_mesh_under_inductor() -> None:
+    torch.manual_seed(0)
+    params, x = {"w": torch.randn(8, 16)}, torch.randn(4, 8)
+    step = pf.jit(pf.value_and_grad(_loss))
+    torch.manual_seed(5)
+    want, want_grad = step(params, x)
+    with pf.set_mesh(pf.make_mesh((2,), ("dp",), virtual=True)):
+        torch.manual_seed(5)
+        got, grad = pf.device_get(step(pf.device_put(params, {"w": P()}), pf.device_put(x, P("dp"))))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad["w"], want_grad["w"])
