@@ -81,8 +81,11 @@ from pt3func.trace.signature import (
     leaf_key,
     leaf_key_changes,
     leaf_labels,
+    names_dead_module,
     rebuild_call,
     split_static,
+    static_key,
+    static_modules,
     static_types,
 )
 from pt3func.transforms import EAGER_DIFFERENTIATION
@@ -136,7 +139,14 @@ class Jitted:
         self.cuda_graphs = bool(cuda_graphs)
         self._cache: dict[Any, Compiled] = {}
         self._lowered: dict[Any, Lowered] = {}  # lowered but not yet called: the first call compiles these
-        self._seen: list[tuple[Any, list[str], list[str], Any]] = []  # signatures traced so far (and their keys)
+        self._traces = 0  # signatures traced so far (cache misses): `trace_count()`
+        # The signature traced last (treedef, labels, descriptions, key), which `_explain_miss` compares a miss with;
+        # _CLEARED after `clear_cache()`.
+        self._last_seen: tuple[Any, list[str], list[str], Any] | None = None
+        self._many_warned = False  # the one warning about many signatures cached (`_warn_many_signatures`)
+        # id -> a weak reference, with a callback, to each module that keys a cached signature (`ModuleKey`): when
+        # the module dies its signatures are dropped, with the captured tensors of their programs.
+        self._module_refs: dict[int, weakref.ref] = {}
         self._agreed: set = set()  # plain-input signatures the ranks of a process world were checked to agree on
         # Per signature (all of the key but its last entry): the module sets its traces called, whose train / eval
         # modes (`ModuleWatch.modes()`) are the key's last entry.
@@ -156,17 +166,24 @@ class Jitted:
         """(key, leaves, treedef, static, the signature's program if compiled, leaf keys, the static values' hashes
         where the last call's program is reused without hashing the signature, else None)."""
         dynamic, static = split_static(self._spec, args, kwargs)
+        skey = static_key(static)  # as the key holds it: modules weakly
         types = static_types(static)
         # Bare PartitionSpecs in the shardings, `pf.shard_map` without `mesh=` and `with_sharding_constraint` /
         # `device_put` inside the step resolve through the current mesh (`pf.set_mesh`) when the step is traced: that
         # mesh (by identity, as a DTensor leaf's) is the last entry of `types` (a step called again under another
-        # mesh ran the first mesh's program).
-        types += (("mesh", get_mesh()),)
+        # mesh ran the first mesh's program). In a virtual mesh's rank thread, with the rank: each rank traces its own
+        # program (its collectives name its own process groups), and a signature that names no rank's own mesh (plain
+        # tensors under pf.set_mesh) kept one rank's program for all, which the other ranks ran once their last call
+        # was another signature (`Program.key` leaves this entry out: a rank's Compiled checks no rank).
+        types += (("mesh", get_mesh()) if not in_rank_thread() else ("mesh", get_mesh(), torch.distributed.get_rank()),)
         # The key order and type of every dict among the arguments (order-free for named parameters).
         orders = dict_orders(self._spec, dynamic)
         static_modes = static_module_modes(static)
         last = self._leaf_memo.last()
-        if last is not None:
+        # Its program weakly: one dropped (a module of its signature died, `clear_cache()`) is freed, not kept by
+        # the last call of every thread that ran it.
+        last_compiled = last.compiled() if last is not None else None
+        if last_compiled is not None:
             # The loop's common case: the last call's signature again. Its structure is checked while its leaves
             # are taken (`flatten_up_to`: no sorting of dict keys; it takes a dict for an OrderedDict, so the dicts'
             # types and key orders are compared apart), its DTensor keys are the very objects when it returned
@@ -176,14 +193,14 @@ class Jitted:
                 leaves = last.treedef.flatten_up_to(dynamic)
             except (ValueError, TypeError):  # another structure
                 leaves = None
-            if leaves is not None and last.static[0] == static and last.key[2] == types and last.key[4] == orders \
+            if leaves is not None and last.static[0] == skey and last.key[2] == types and last.key[4] == orders \
                     and last.key[5] == static_modes and last.key[6][0].modes() == last.key[6][1]:
                 leaf_keys = self._leaf_keys(leaves, last.treedef, static)
                 # (a subtree where the last call had a leaf has a key of its own)
                 if last.leaf_keys == leaf_keys:
-                    hashes = _static_hashes(static, leaves, last.compiled)
+                    hashes = _static_hashes(skey, leaves, last_compiled)
                     if hashes == last.static[1]:
-                        return last.key, leaves, last.treedef, static, last.compiled, leaf_keys, hashes
+                        return last.key, leaves, last.treedef, static, last_compiled, leaf_keys, hashes
         leaves, treedef = tree.flatten(dynamic)
         while tree.adopt_torch_nodes(leaves):  # a Hugging Face ModelOutput passed in: its tensors are inputs
             leaves, treedef = tree.flatten(dynamic)
@@ -191,7 +208,7 @@ class Jitted:
         try:
             # The program's signature (`Program.key`, as `Compiled.__call__` computes it), the dicts' orders, the
             # modes of modules given as static arguments, and of the modules its trace called: (watch, modes).
-            base = (treedef, static, types, leaf_keys, orders, static_modes)
+            base = (treedef, skey, types, leaf_keys, orders, static_modes)
             key = base + ((NO_WATCH, ()),)
             compiled = None
             for watch in self._watches.get(base, ()):  # hashes the key: an unhashable static leaf fails here
@@ -322,8 +339,8 @@ class Jitted:
             compiled.leaf_stays_valid,
             out_leaves,
             compiled.output_keys(out_leaves),
-            LastCall(treedef, (static, _static_hashes(static, leaves, compiled) if hashes is None else hashes),
-                     leaf_keys, key, compiled),
+            LastCall(treedef, (key[1], _static_hashes(key[1], leaves, compiled) if hashes is None else hashes),
+                     leaf_keys, key, weakref.ref(compiled)),
         )
         return tree.unflatten(compiled._program.out_treedef, out_leaves)
 
@@ -429,9 +446,7 @@ class Jitted:
         dead = [known for known in watches if not known.alive()]
         if dead:
             watches[:] = [known for known in watches if known.alive()]
-            for table in (self._cache, self._lowered):
-                for old in [k for k in table if len(k) > 6 and any(k[6][0] is d for d in dead)]:
-                    del table[old]
+            self._drop(lambda k: len(k) > 6 and any(k[6][0] is d for d in dead))
         for known in watches:
             if known.ids == watch.ids:
                 return known
@@ -449,16 +464,72 @@ class Jitted:
         return None
 
     def trace_count(self) -> int:
-        """How many distinct signatures have been traced (the number of cache misses so far)."""
-        return len(self._seen)
+        """How many distinct signatures have been traced (the number of cache misses so far, those `clear_cache()`
+        or a module's death dropped included)."""
+        return self._traces
+
+    def clear_cache(self) -> None:
+        """Drop every program traced and compiled for this function, as `jax.jit(f).clear_cache()`: the next call
+        of each signature traces and compiles again, and what the programs held (tensors the step captured, compiled
+        code, CUDA graphs) is freed. On a jitted method (`Net.forward.clear_cache()` or `net.forward.clear_cache()`)
+        that is the programs of every instance. `trace_count()` goes on counting; a `Lowered` / `Compiled` the caller
+        holds (`step.lower(...)`) stays usable."""
+        self._cache = {}
+        self._lowered = {}
+        self._watches = {}
+        self._module_refs = {}
+        self._last_seen = _CLEARED
+        # Every thread's last call (the fast path's program and the leaf keys it remembers) with it.
+        self._leaf_memo = LeafKeyMemo(leaf_key)
+
+    def _drop(self, stale: Callable[[tuple], bool]) -> None:
+        """Drop the signatures whose keys are `stale`: their programs, lowerings, module watches and locks.
+
+        Also runs in a weakref callback (`_module_died`), in any thread, at any allocation: the tables are iterated
+        through copies (`dict.copy()` is one step under the GIL) and entries popped, so neither another thread nor
+        the code the callback interrupted finds a table changed under its iteration."""
+        for table in (self._cache, self._lowered, self._watches, _SIGNATURE_LOCKS.get(self) or {}):
+            for key in [k for k in table.copy() if stale(k)]:
+                table.pop(key, None)
+
+    def _drop_when_modules_die(self, leaves: list[Any], static: tuple) -> None:
+        """Have the death of each module a signature keys by `ModuleKey` (a jitted method's `self`) drop every
+        signature that names a dead module: no call matches them again, and their programs hold the module's
+        captured parameters."""
+        for module in static_modules(leaves, static):
+            known = self._module_refs.get(id(module))
+            if known is None or known() is not module:
+                died = functools.partial(_module_died, weakref.ref(self), id(module))
+                self._module_refs[id(module)] = weakref.ref(module, died)
+
+    def _warn_many_signatures(self) -> None:
+        """Log once when this function holds `_MANY_SIGNATURES` programs (as torch.compile's recompile limit
+        warns): a step traced again for every new shape or static value spends its time compiling."""
+        if self._many_warned or len(self._cache) + len(self._lowered) + 1 < _MANY_SIGNATURES:
+            return
+        # (once each: a signature both lowered and compiled, or traced by each rank thread of a virtual mesh)
+        keys = {k for k in self._cache.copy().keys() | self._lowered.copy().keys() if k[2][-1][2:] in ((), (0,))}
+        if len(keys) + 1 < _MANY_SIGNATURES:
+            return
+        self._many_warned = True
+        log.warning(
+            "%s: %d signatures are now traced and compiled, each a program of its own (logged once). Arguments "
+            "whose shapes or static values change from call to call trace and compile again every time: pad or "
+            "bucket shapes, pass changing numbers as traced (not static) arguments, and set "
+            "pf.config.explain_cache_misses = True to log why each call traced again. clear_cache() drops them.",
+            self.name, _MANY_SIGNATURES,
+        )
 
     def _explain_miss(
         self, labels: list[str], descriptions: list[str], treedef: Any, static: tuple, key: Any
     ) -> None:
-        if not self._seen:
+        if self._last_seen is None:
             log.warning("%s: tracing for the first time", self.name)
             return
-        old_treedef, old_labels, old_desc, old_key = self._seen[-1]
+        if self._last_seen is _CLEARED:
+            log.warning("%s: tracing again because clear_cache() dropped its programs", self.name)
+            return
+        old_treedef, old_labels, old_desc, old_key = self._last_seen
         reasons = []
         if old_treedef != treedef:
             reasons.append(f"the pytree structure of the arguments changed: {old_treedef} -> {treedef}")
@@ -466,8 +537,8 @@ class Jitted:
             for label, a, b in zip(labels, old_desc, descriptions):
                 if a != b:
                     reasons.append(f"{label}: {a} -> {b}")
-        if not reasons and old_key[1] != static:
-            reasons.append(f"static arguments changed: {old_key[1]} -> {static}")
+        if not reasons and old_key[1] != key[1]:
+            reasons.append(f"static arguments changed: {old_key[1]} -> {key[1]}")
         if not reasons and old_key[2][-1] != key[2][-1]:
             reasons.append(f"the current mesh (pf.set_mesh), which bare PartitionSpecs (in_shardings, out_shardings, "
                            f"shard_map, with_sharding_constraint) resolve through, changed: {old_key[2][-1][1]} -> "
@@ -490,7 +561,7 @@ class Jitted:
             )
         if not reasons:
             changes = "; ".join(leaf_key_changes(labels, old_key[3], key[3])[:5]) or "none found"
-            reasons.append(f"a leaf's signature changed (strides, device or mesh): {changes}")
+            reasons.append(f"a leaf's signature changed (strides, device, mesh or module instance): {changes}")
         log.warning("%s: tracing again because %s", self.name, "; ".join(reasons[:10]))
 
     def _leaf_keys(self, leaves: list[Any], treedef: Any, static: tuple) -> tuple:
@@ -570,7 +641,10 @@ class Jitted:
             # A tensor the step creates itself (a mask, positions, a constant) is the same on every rank: it
             # meets the sharded inputs as a replicated value, as a constant in a JAX jit does (DTensor refuses
             # plain tensors beside DTensors otherwise). Lookups into a row-sharded table are lowered by pt3func.
-            with _sharded_tracing() if dtensor_in else contextlib.nullcontext():
+            # Without DTensor inputs, a sharded value still arises from a shard_map or device_put in the step: under a
+            # current mesh the step is traced as a sharded one; else (a shard_map given mesh=) plain tensors are at
+            # least taken as replicated beside it, a flag of DTensor's dispatch that a plain program never reads.
+            with _sharded_tracing() if dtensor_in or get_mesh() is not None else implicit_replication():
                 out = fn(*args, **kwargs)
             out_leaves, out_treedef = tree.flatten(out)
             while tree.adopt_torch_nodes(out_leaves):  # a Hugging Face ModelOutput: its tensors are outputs
@@ -700,7 +774,7 @@ class Jitted:
             name=self.name,
             graph_module=gm,
             treedef=treedef,
-            static=static,
+            static=key[1],
             input_labels=labels,
             input_leaf_kind=kinds,
             scalar_dtypes=scalar_dtypes,
@@ -730,8 +804,11 @@ class Jitted:
             lowered._example_inputs = None  # compiled on the guard's second call: do not keep the first batch alive
             return lowered
         lowered._watch = watch
+        self._drop_when_modules_die(leaves, static)
         if miss and _first_rank():  # a virtual mesh's rank threads trace alike: counted (and explained) once
-            self._seen.append((treedef, labels, descriptions, _watched_key(key, lowered)))
+            self._traces += 1
+            self._last_seen = (treedef, labels, descriptions, _watched_key(key, lowered))
+            self._warn_many_signatures()
         if guard is not None:
             reference = self._lower_from(leaves, treedef, static, key, (untouched, out_info, guard.reference))
             mesh = next((meta.device_mesh for meta in dtensor_in.values()), None)
@@ -783,6 +860,10 @@ class BoundJitted:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for the instance and these arguments (nothing is run, nothing is donated)."""
         return self.__func__.lower(self.__self__, *args, **kwargs)
+
+    def clear_cache(self) -> None:
+        """The jitted function's `clear_cache()`: drops its programs, those of every instance."""
+        self.__func__.clear_cache()
 
     def __getattr__(self, name: str) -> Any:  # trace_count, exchange_decision, name, fn, __name__, ...
         if name in ("__func__", "__self__"):  # (not set yet: a half-built copy)
@@ -843,6 +924,20 @@ _RANK_CALL = threading.local()
 # dropped Jitted drops its locks.
 _SIGNATURE_LOCKS: weakref.WeakKeyDictionary[Jitted, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
+# What `Jitted._last_seen` holds after `clear_cache()`: the next trace's explanation says so.
+_CLEARED: Any = ("cleared",)
+# How many programs one jitted function holds when it logs that it keeps tracing again (`_warn_many_signatures`).
+_MANY_SIGNATURES = 64
+
+
+def _module_died(jitted_ref: weakref.ref, module_id: int, ref: weakref.ref) -> None:
+    """A weakref callback: a module that keyed signatures of the Jitted `jitted_ref` names died; drop them."""
+    jitted = jitted_ref()
+    if jitted is None:
+        return
+    if jitted._module_refs.get(module_id) is ref:
+        jitted._module_refs.pop(module_id, None)
+    jitted._drop(lambda k: names_dead_module(k[1], k[3]))
 
 
 def _locks_after_fork() -> None:

@@ -26,7 +26,15 @@ from pt3func.runtime.donated import invalidate, refuse_inference_donation
 from pt3func.sharding.mesh import get_mesh
 from pt3func.spmd.lower import place_plain_output
 from pt3func.trace.module_modes import NO_WATCH, static_module_modes
-from pt3func.trace.signature import ArgSpec, leaf_key, leaf_key_changes, leaf_labels, split_static, static_types
+from pt3func.trace.signature import (
+    ArgSpec,
+    leaf_key,
+    leaf_key_changes,
+    leaf_labels,
+    split_static,
+    static_key,
+    static_types,
+)
 
 
 @dataclass
@@ -36,7 +44,7 @@ class Program:
     name: str
     graph_module: fx.GraphModule
     treedef: Any  # of (dynamic args, dynamic kwargs)
-    static: tuple
+    static: tuple  # as a cache key holds it (`static_key`: a module weakly, or the program would keep it alive)
     input_labels: list[str]  # per call leaf
     input_leaf_kind: list[str]  # per call leaf: "tensor" | "dtensor" | "scalar" | "static"
     scalar_dtypes: dict[int, torch.dtype]  # call leaf index -> dtype it is traced as
@@ -288,10 +296,10 @@ class Compiled:
             return self._call_virtual(args, kwargs)
         dynamic, static = split_static(p.spec, args, kwargs)
         leaves, treedef = tree.flatten(dynamic)
-        key = (treedef, static, static_types(static), tuple([leaf_key(leaf) for leaf in leaves]))
+        key = (treedef, static_key(static), static_types(static), tuple([leaf_key(leaf) for leaf in leaves]))
         if key != p.key:
             leaves = self._place_plain_leaves(leaves, key)
-            key = (treedef, static, key[2], tuple([leaf_key(leaf) for leaf in leaves]))
+            key = (treedef, key[1], key[2], tuple([leaf_key(leaf) for leaf in leaves]))
             if key != p.key:
                 raise TracingError(_signature_mismatch(p, key))
         changed = _guard_mismatch(p, dict_orders(p.spec, dynamic), static_module_modes(static))

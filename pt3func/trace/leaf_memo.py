@@ -30,13 +30,14 @@ Key = Any
 
 
 class LastCall(NamedTuple):
-    """The previous call's signature and the program it ran."""
+    """The previous call's signature and a weak reference to the program it ran (held strongly, a thread's last
+    call kept a dropped program, and the parameters it captured, alive)."""
 
     treedef: Any
     static: tuple
     leaf_keys: tuple
     key: Any
-    compiled: Any
+    compiled: Any  # weakref.ref to the Compiled
 
 
 class LeafKeyMemo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -213,8 +214,77 @@ def leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, SCALAR_TYPES):
         return type(leaf)
     if isinstance(leaf, torch.nn.Module):  # a jitted method's `self`: what it reads of itself includes its mode
-        return ("static", leaf, leaf.training)
+        return ("static", ModuleKey(leaf), leaf.training)
     return ("static", leaf)
+
+
+class ModuleKey:
+    """A module in a jit signature (a jitted method's `self`, a module given as a static argument), as JAX's caches
+    key bound objects (`weakref_lru_cache`): by identity, and held weakly. Held strongly, a class's jitted method kept
+    every instance it was ever called on alive, with its parameters, for the life of the class. Equal only to a key
+    of the same live module; once the module is gone, only to itself (its id may then name a new module)."""
+
+    __slots__ = ("_ref", "_hash", "_type")
+
+    def __init__(self, module: torch.nn.Module):
+        self._ref = weakref.ref(module)
+        self._hash = id(module)
+        self._type = type(module)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not ModuleKey:
+            return NotImplemented
+        module = self._ref()
+        return module is not None and module is other._ref()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def module(self) -> torch.nn.Module | None:
+        """The module, or None once it is gone."""
+        return self._ref()
+
+    def describe(self) -> str:
+        return f"{self._type.__name__} at {self._hash:#x}" + ("" if self._ref() is not None else " (gone)")
+
+    def __repr__(self) -> str:
+        module = self._ref()
+        return repr(module) if module is not None else f"<{self.describe()}>"
+
+
+def static_key(static: tuple) -> tuple:
+    """`static` as a cache key holds it: each module given as a static argument by its `ModuleKey`, other values as
+    they are (JAX keeps those too). A module inside a static container is held as the container holds it."""
+    static_pos, static_kw = static
+    if not static_pos and not static_kw:
+        return static
+    if not any(isinstance(v, torch.nn.Module) for _, v in (*static_pos, *static_kw)):
+        return static
+    return (
+        tuple((i, ModuleKey(v) if isinstance(v, torch.nn.Module) else v) for i, v in static_pos),
+        tuple((k, ModuleKey(v) if isinstance(v, torch.nn.Module) else v) for k, v in static_kw),
+    )
+
+
+def static_modules(leaves: Sequence[Any], static: tuple) -> list[torch.nn.Module]:
+    """The modules a cache key holds by `ModuleKey`: module leaves and modules given as static arguments."""
+    static_pos, static_kw = static
+    found = [leaf for leaf in leaves if isinstance(leaf, torch.nn.Module)]
+    return found + [v for _, v in (*static_pos, *static_kw) if isinstance(v, torch.nn.Module)]
+
+
+def names_dead_module(static: tuple, leaf_keys: tuple) -> bool:
+    """Whether a signature (its `static_key` and leaf keys) names a module that is gone: no call can match it again."""
+    static_pos, static_kw = static
+    for _, v in (*static_pos, *static_kw):
+        if type(v) is ModuleKey and v.module() is None:
+            return True
+    for k in leaf_keys:
+        if type(k) is tuple and len(k) == 3 and type(k[1]) is ModuleKey and k[1].module() is None:
+            return True
+    return False
 
 
 # (DeviceMesh, its groups' names, the world) -> the first DeviceMesh seen with them. Kept alive: its id names that
@@ -275,7 +345,7 @@ def describe_key(k: Any, strides: bool = False) -> str:
     if isinstance(k, tuple) and len(k) == 2 and k[0] == "static":
         return f"static {k[1]!r}"
     if isinstance(k, tuple) and len(k) == 3 and k[0] == "static":  # a module, with its mode
-        return f"{type(k[1]).__name__} in {'train' if k[2] else 'eval'} mode"
+        return f"{k[1].describe()} in {'train' if k[2] else 'eval'} mode"
     if isinstance(k, type):
         return f"Python {k.__name__} (traced)"
     return repr(k)
