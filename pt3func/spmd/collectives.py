@@ -15,16 +15,21 @@ its ranks on the way out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import numbers
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pt3func import tree
 from pt3func._compat import c10d_functional as ops
 from pt3func.errors import ShardingError
 from pt3func.sharding.mesh import AxisNames, Mesh
+from pt3func.spmd.lower import reason
+from pt3func.tree import PyTree
 
 _BOUND: ContextVar[Mesh | None] = ContextVar("pt3func_axis_env", default=None)
 
@@ -64,9 +69,9 @@ def _resolve(axis_name: AxisNames, *, ordered: bool) -> _Axes:
     return _Axes(mesh.group_name(names), mesh.axis_size(names), mesh.axis_index(names))
 
 
-def _dim(dim: int, ndim: int) -> int:
+def _dim(dim: int, ndim: int, what: str) -> int:
     if not -ndim <= dim < ndim:
-        raise ShardingError(f"dim {dim} is out of range for a tensor of rank {ndim}")
+        raise ShardingError(f"{what}: dim {dim} is out of range for a tensor of rank {ndim}")
     return dim % ndim
 
 
@@ -237,65 +242,112 @@ class _Ppermute(torch.autograd.Function):
         return _Ppermute.apply(x, perm, axes), in_dims[0]  # moves whole blocks: any batch dim stays where it is
 
 
-# Public API.
+# Public API. Each takes a pytree and applies itself to every tensor leaf (as JAX's collectives do); the autograd
+# Functions run under the op's name, which `as_text()` shows beside the collective (its transpose's too).
 
-def psum(x: torch.Tensor, axis_name: AxisNames) -> torch.Tensor:
-    """Sum of `x` over the ranks of the axis (or axes); every rank gets the sum."""
+def _named(op: str, fn: Callable[..., Any], *args: Any) -> Any:
+    with reason(f"pf.lax.{op}"):
+        return fn(*args)
+
+
+def _summable(x: torch.Tensor) -> torch.Tensor:
+    """Bools are counted, as JAX sums them (as int32): a sum of bools is no logical OR."""
+    return x.to(torch.int32) if x.dtype == torch.bool else x
+
+
+def _number(x: Any) -> torch.Tensor:
+    """A Python number as the 0-d tensor it is summed as: it may differ between ranks (`axis_index`)."""
+    dtype = torch.int32 if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.get_default_dtype()
+    return torch.full((), x, dtype=dtype)
+
+
+def psum(x: PyTree, axis_name: AxisNames) -> PyTree:
+    """Sum of each leaf of `x` over the ranks of the axis (or axes); every rank gets the sum. Bools are counted
+    (int32, as in JAX). A Python number is summed as a 0-d tensor (JAX's `psum(1, axis)` is a constant: here a
+    number may be this rank's own, `axis_index`); for the number of ranks use `axis_size`."""
     axes = _resolve(axis_name, ordered=False)
-    if not isinstance(x, torch.Tensor):
-        return x * axes.size  # JAX's psum(1, axis) == axis size
-    return _Psum.apply(x, axes)
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, numbers.Number):
+            leaf = _number(leaf)
+        if not isinstance(leaf, torch.Tensor):
+            raise ShardingError(f"psum: a leaf is {type(leaf).__name__} {leaf!r}, not a tensor or a number")
+        return _named("psum", _Psum.apply, _summable(leaf), axes)
+
+    return tree.map(one, x)
 
 
-def pmean(x: torch.Tensor, axis_name: AxisNames) -> torch.Tensor:
-    """Mean of `x` over the ranks of the axis (or axes)."""
-    return psum(x, axis_name) / axis_size(axis_name)
+def pmean(x: PyTree, axis_name: AxisNames) -> PyTree:
+    """Mean of each leaf of `x` over the ranks of the axis (or axes): `psum / axis_size` (bools and integers
+    give floating-point means)."""
+    size = axis_size(axis_name)
+    return tree.map(lambda leaf: leaf / size, psum(x, axis_name))
 
 
-def all_gather(x: torch.Tensor, axis_name: AxisNames, *, axis: int = 0, tiled: bool = True) -> torch.Tensor:
+def all_gather(x: PyTree, axis_name: AxisNames, *, axis: int = 0, tiled: bool = True) -> PyTree:
     """The blocks of all ranks, in rank order: concatenated along `axis` (tiled), else stacked on a new
     `axis`. (JAX's default is tiled=False.) Transpose: `psum_scatter`."""
     axes = _resolve(axis_name, ordered=True)
-    if not tiled:
-        axis = _dim(axis, x.ndim + 1)
-        return _AllGather.apply(x.unsqueeze(axis), axis, axes)
-    return _AllGather.apply(x, _dim(axis, x.ndim), axes)
+
+    def one(leaf: torch.Tensor) -> torch.Tensor:
+        if not tiled:
+            dim = _dim(axis, leaf.ndim + 1, "all_gather(tiled=False)")
+            return _named("all_gather", _AllGather.apply, leaf.unsqueeze(dim), dim, axes)
+        if leaf.ndim == 0:
+            raise ShardingError("all_gather(tiled=True) of a 0-d value: there is no dim to concatenate along; pass "
+                                "tiled=False to stack the values on a new dim")
+        return _named("all_gather", _AllGather.apply, leaf, _dim(axis, leaf.ndim, "all_gather"), axes)
+
+    return tree.map(one, x)
 
 
-def psum_scatter(x: torch.Tensor, axis_name: AxisNames, *, scatter_dimension: int = 0,
-                 tiled: bool = True) -> torch.Tensor:
+def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
+                 tiled: bool = True) -> PyTree:
     """Sum over the ranks, of which rank i keeps block i of `scatter_dimension` (tiled), else index i of a
-    dim of size axis_size, which is removed. (JAX's default is tiled=False.) Transpose: `all_gather`."""
+    dim of size axis_size, which is removed. Bools are counted (int32), as by `psum`. (JAX's default is
+    tiled=False.) Transpose: `all_gather`."""
     axes = _resolve(axis_name, ordered=True)
-    dim = _dim(scatter_dimension, x.ndim)
-    if tiled:
-        _check_divisible(x, dim, axes, "psum_scatter")
-        return _PsumScatter.apply(x, dim, axes)
-    if x.shape[dim] != axes.size:
-        raise ShardingError(f"psum_scatter(tiled=False): dim {dim} of shape {tuple(x.shape)} must equal the "
-                            f"axis size {axes.size}")
-    return _PsumScatter.apply(x, dim, axes).squeeze(dim)
+
+    def one(leaf: torch.Tensor) -> torch.Tensor:
+        what = "psum_scatter" if tiled else "psum_scatter(tiled=False)"
+        dim = _dim(scatter_dimension, leaf.ndim, what)
+        leaf = _summable(leaf)
+        if tiled:
+            _check_divisible(leaf, dim, axes, what)
+            return _named("psum_scatter", _PsumScatter.apply, leaf, dim, axes)
+        if leaf.shape[dim] != axes.size:
+            raise ShardingError(f"{what}: dim {dim} of shape {tuple(leaf.shape)} must equal the axis size "
+                                f"{axes.size}")
+        return _named("psum_scatter", _PsumScatter.apply, leaf, dim, axes).squeeze(dim)
+
+    return tree.map(one, x)
 
 
-def all_to_all(x: torch.Tensor, axis_name: AxisNames, split_axis: int, concat_axis: int, *,
-               tiled: bool = True) -> torch.Tensor:
+def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: int, *,
+               tiled: bool = True) -> PyTree:
     """Split `split_axis` into axis_size blocks, send block j to rank j, concatenate what arrives along
     `concat_axis` in rank order (tiled). With tiled=False (JAX's default), `split_axis` must have size
     axis_size; it is removed and the received blocks are stacked on a new `concat_axis`.
     Transpose: all_to_all with the two axes swapped."""
     axes = _resolve(axis_name, ordered=True)
-    split = _dim(split_axis, x.ndim)
-    if tiled:
-        _check_divisible(x, split, axes, "all_to_all")
-        return _AllToAll.apply(x, split, _dim(concat_axis, x.ndim), axes)
-    if x.shape[split] != axes.size:
-        raise ShardingError(f"all_to_all(tiled=False): dim {split} of shape {tuple(x.shape)} must equal the "
-                            f"axis size {axes.size}")
-    # Exchanging along `split` leaves the source rank at `split`; then it moves to `concat_axis`.
-    return _AllToAll.apply(x, split, split, axes).movedim(split, _dim(concat_axis, x.ndim))
+
+    def one(leaf: torch.Tensor) -> torch.Tensor:
+        what = "all_to_all" if tiled else "all_to_all(tiled=False)"
+        split = _dim(split_axis, leaf.ndim, what)
+        concat = _dim(concat_axis, leaf.ndim, what)
+        if tiled:
+            _check_divisible(leaf, split, axes, what)
+            return _named("all_to_all", _AllToAll.apply, leaf, split, concat, axes)
+        if leaf.shape[split] != axes.size:
+            raise ShardingError(f"{what}: dim {split} of shape {tuple(leaf.shape)} must equal the axis size "
+                                f"{axes.size}")
+        # Exchanging along `split` leaves the source rank at `split`; then it moves to `concat_axis`.
+        return _named("all_to_all", _AllToAll.apply, leaf, split, split, axes).movedim(split, concat)
+
+    return tree.map(one, x)
 
 
-def ppermute(x: torch.Tensor, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> PyTree:
     """Send `x` from rank `src` to rank `dst` for each `(src, dst)` of `perm` (positions along the axis);
     a rank nobody sends to gets zeros. One `all_to_all_single` with a single non-empty split per rank:
     each rank moves exactly its own block. Transpose: the inverse permutation."""
@@ -306,11 +358,13 @@ def ppermute(x: torch.Tensor, axis_name: AxisNames, perm: Sequence[tuple[int, in
         raise ShardingError(f"ppermute: perm {perm} sends from or to a rank twice")
     if not all(0 <= r < axes.size for r in sources + dests):
         raise ShardingError(f"ppermute: perm {perm} names a rank outside the axis size {axes.size}")
-    return _Ppermute.apply(x, perm, axes)
+    return tree.map(lambda leaf: _named("ppermute", _Ppermute.apply, leaf, perm, axes), x)
 
 
 def axis_index(axis_name: AxisNames) -> int:
-    """This rank's position along the axis (row-major over a tuple of axes, in the order given)."""
+    """This rank's position along the axis (row-major over a tuple of axes, in the order given): a Python int,
+    as each rank traces its own program (JAX returns a traced value). It differs between ranks: `psum` of it (or
+    of any number) is a real sum."""
     return _bound_mesh(axis_name).axis_index(axis_name)
 
 

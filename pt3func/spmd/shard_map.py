@@ -69,9 +69,13 @@ def _from_local(y: Any, spec: Any, mesh: Mesh, path: tuple) -> Any:
         # plain sharded jit keeps it: fed back into the next call it must not change the step's signature.
         return y
     if len(spec) > y.ndim:
-        raise ShardingError(f"at {keystr(path) or 'the root'}: out spec {spec} is longer than the rank of the "
-                            f"output block, shape {tuple(y.shape)}")
-    placements = placements_for(spec, mesh, path=path)
+        raise ShardingError(f"shard_map out_specs at {keystr(path) or 'the root'}: spec {spec} is longer than the "
+                            f"rank of the output block, shape {tuple(y.shape)}; give it P() once it is the same on "
+                            "every rank (psum / pmean it), or return a block with a dim to concatenate")
+    try:
+        placements = placements_for(spec, mesh, path=path)
+    except ShardingError as e:
+        raise ShardingError(f"shard_map out_specs: {e} (the output block has shape {tuple(y.shape)})") from None
     shape = list(y.shape)
     for axis, p in zip(mesh.axis_names, placements):
         if isinstance(p, Shard):
@@ -84,10 +88,20 @@ def _from_local(y: Any, spec: Any, mesh: Mesh, path: tuple) -> Any:
                               stride=stride)
 
 
-def _specs_of(which: str, what: str, value: Any, specs: PyTree) -> tuple:
+def _refuse_vmap(f: Callable[..., Any]) -> None:
+    """shard_map's boundary (DTensor.from_local / to_local) has no batching rule: under pf.vmap it failed inside
+    torch. Mapping inside the shard_map is the same computation, and supported."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    if any(interpreter.key() == torch._C._functorch.TransformType.Vmap for interpreter in stack):
+        raise ShardingError(f"pf.vmap over pf.shard_map({getattr(f, '__name__', f)!r}) is not supported: write "
+                            "pf.shard_map(pf.vmap(f), ...), with the batch dim added to in_specs / out_specs "
+                            "(P(None, *spec)); collectives inside are mapped by pf.vmap")
+
+
+def _specs_of(which: str, what: str, value: Any, specs: PyTree, *, scalars_whole: bool = True) -> tuple:
     """broadcast_shardings, with an error that says which specs do not fit what (shapes, not traced values)."""
     try:
-        return broadcast_shardings(value, specs)
+        return broadcast_shardings(value, specs, scalars_whole=scalars_whole)
     except ShardingError:
         structure = optree.tree_map(lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else x, value,
                                     none_is_leaf=True)
@@ -103,14 +117,18 @@ def shard_map(f: Callable[..., Any], mesh: Mesh | None = None, in_specs: PyTree 
     leaves are `P(...)` (None means `P()`). Each input (a DTensor, or a plain tensor taken as the full value
     held by every rank) is redistributed to its spec and `f` gets its local block. Each output block is
     wrapped as a DTensor: an axis named in its spec concatenates the blocks along that dim; over axes not
-    named the output is taken as replicated (not checked: `check_rep=True` is not supported).
-    Differentiable end to end; see `pt3func.spmd.collectives` for the gradient convention.
+    named the output is taken as replicated (not checked: `check_rep=True` is not supported). A split spec
+    reaching a 0-d output, at its own path or through a prefix, is refused.
+    Differentiable end to end; see `pt3func.spmd.collectives` for the gradient convention (JAX's
+    `check_rep=False`: a replicated input's gradient inside `f` is this rank's local piece).
+    Not under `pf.vmap`: write `shard_map(vmap(f))`.
     """
     if check_rep:
         raise NotImplementedError("shard_map(check_rep=True) is not supported: replication is not checked")
 
     @functools.wraps(f)
     def wrapped(*args: Any) -> Any:
+        _refuse_vmap(f)
         m = mesh or get_mesh()
         if m is None:
             raise ShardingError("shard_map needs a mesh: pass mesh= or call pf.set_mesh(mesh)")
@@ -118,7 +136,9 @@ def shard_map(f: Callable[..., Any], mesh: Mesh | None = None, in_specs: PyTree 
         local = optree.tree_unflatten(treedef, [_to_local(x, s, m, p) for p, x, s in zip(paths, leaves, specs)])
         with bind_axes(m):
             out = f(*local)
-        paths, leaves, specs, treedef = _specs_of("out_specs", "the output", out, out_specs)
+        # A split spec that a prefix gives a 0-d output is refused (in `_from_local`), not taken as replicated: each
+        # rank's 0-d block may differ (a per-rank loss), and there is no dim to concatenate them along.
+        paths, leaves, specs, treedef = _specs_of("out_specs", "the output", out, out_specs, scalars_whole=False)
         return optree.tree_unflatten(treedef, [_from_local(y, s, m, p) for p, y, s in zip(paths, leaves, specs)])
 
     return wrapped
