@@ -170,6 +170,9 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     leaves = pftree.leaves(tree)
     if not leaves:
         return torch.ones((), dtype=torch.bool)
+    if any(_is_array_like(x) for x in leaves):
+        # Virtual arrays: counted on each rank, whose values say their layouts.
+        return torch.overrides.handle_torch_function(all_finite, [x for x in leaves if _is_array_like(x)], tree)
     counts: dict[Any, torch.Tensor] = {}  # non-finite elements per layout: pending sums for split leaves
     for x in leaves:
         layout = (id(x.device_mesh), tuple(x.placements)) if isinstance(x, DTensor) else None
@@ -196,11 +199,53 @@ def _zero_count(params: PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=_device_of(params))
 
 
+def _is_array_like(x: Any) -> bool:
+    """Whether `x` is an array that is not a torch.Tensor but takes torch functions (`__torch_function__`), as the
+    virtual mesh's eager arrays do: each holds one value per rank thread and runs a torch function on each."""
+    return not isinstance(x, torch.Tensor) and hasattr(type(x), "__torch_function__")
+
+
+def _per_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, run on each rank's values when an argument is an array-like (a virtual array): `fn` looks at
+    whether a value is a DTensor or a plain tensor, which only a rank's own value says."""
+    if any(_is_array_like(a) for a in args):
+        return torch.overrides.handle_torch_function(fn, [a for a in args if _is_array_like(a)], *args)
+    return fn(*args)
+
+
 def _local_flag(flag: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor flag as the plain tensor every rank holds (itself when plain)."""
-    if isinstance(flag, DTensor) and all(p.is_replicate() for p in flag.placements):
-        return flag.to_local()
-    return flag
+
+    def local(flag):
+        if isinstance(flag, DTensor) and all(p.is_replicate() for p in flag.placements):
+            return flag.to_local()
+        return flag
+
+    return _per_rank(local, flag)
+
+
+def _in_form_of(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d `flag` (the same on every rank) in the form of `like`: a replicated DTensor on `like`'s mesh when `like`
+    is a DTensor, a plain tensor when it is plain. A state leaf must come back in the form it came in (a plain
+    counter beside DTensor params, a replicated one in a ZeRO state), or the next call is another signature and a
+    donated buffer has no output of its sharding to go to."""
+
+    def convert(flag, like):
+        if isinstance(like, DTensor):
+            if isinstance(flag, DTensor):
+                return flag
+            mesh = like.device_mesh
+            return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return _local_flag(flag)
+
+    return _per_rank(convert, flag, like)
+
+
+def _where(pred: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.where(pred, a, b)` for a 0-d `pred`, taken in `a`'s form (see `_in_form_of`): the result is a DTensor
+    exactly when `a` is one. DTensor's `torch.where` takes no plain condition outside `pf.jit`, and a replicated
+    condition would turn a plain leaf into a DTensor."""
+    return _per_rank(lambda pred, a, b: torch.where(_in_form_of(pred, a), a, b), pred, a, b)
 
 
 def _safe_increment(count: torch.Tensor) -> torch.Tensor:
@@ -209,14 +254,13 @@ def _safe_increment(count: torch.Tensor) -> torch.Tensor:
 
 
 def _select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree:
-    """`torch.where(pred, a, b)` leaf by leaf; a traceable stand-in for `if pred: ... else: ...`. A plain leaf
-    stays plain when `pred` is a replicated DTensor (a 0-d counter must not turn into a DTensor: the next call
-    would be another signature)."""
-    local = _local_flag(pred)
+    """`torch.where(pred, a, b)` leaf by leaf (`_where`: each leaf keeps its form); a traceable stand-in for
+    `if pred: ... else: ...`. Leaves that are arrays (tensors, DTensors, virtual arrays) are selected; anything else
+    (a Python number in a state) is `on_true`'s."""
 
     def select(a, b):
-        if isinstance(a, torch.Tensor):
-            return torch.where(pred if isinstance(a, DTensor) else local, a, b)
+        if isinstance(a, torch.Tensor) or _is_array_like(a):
+            return _where(pred, a, b)
         return a
 
     return pftree.map(select, on_true, on_false)

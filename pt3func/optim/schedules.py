@@ -13,13 +13,21 @@ from collections.abc import Sequence
 
 import torch
 
-from pt3func.optim.base import Schedule
+from pt3func.optim.base import Schedule, _is_array_like
 
 
 def _as_float(count) -> torch.Tensor:
-    if isinstance(count, torch.Tensor):
+    """The step count as float64: a tensor, DTensor or array (a virtual mesh's array, from an optimizer state placed
+    with `pf.device_put`) cast in its own form, a Python number as a 0-d tensor."""
+    if isinstance(count, torch.Tensor) or _is_array_like(count):
         return count.to(torch.float64)
-    return torch.as_tensor(count, dtype=torch.float64)
+    try:
+        return torch.as_tensor(count, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"a schedule got the step count {count!r} (a {type(count).__name__}); it takes a 0-d tensor or a Python "
+            "number: the `count` of a state built by the optimizer's own init"
+        ) from e
 
 
 def constant_schedule(value: float) -> Schedule:

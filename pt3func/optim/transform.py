@@ -41,8 +41,11 @@ def _like(real: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _compute_dtype(m: torch.Tensor, g: torch.Tensor) -> torch.dtype:
-    """The dtype a moment of dtype `m.dtype` is updated in from a gradient `g`: the wider of the two."""
-    return torch.promote_types(m.dtype, g.dtype)
+    """The dtype a moment of dtype `m.dtype` is updated in from a gradient `g`: the wider of the two, at least
+    float32. In float16 `g * g` overflows for |g| > 256 (Adam's second moment stayed inf for good); in bfloat16
+    each op rounds, where Inductor rounds once at the end, so eager and compiled steps disagreed. float32 and
+    float64 moments are computed as before."""
+    return torch.promote_types(torch.promote_types(m.dtype, g.dtype), torch.float32)
 
 
 def _as_real_in(m: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,11 +150,15 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        new_trace = pftree.map(lambda g, t: g + decay * t, updates, state.trace)
+        # In `_compute_dtype` (at least float32), each result cast once: the update to the gradient's dtype, the
+        # trace to its own (in bfloat16 each op rounded, where Inductor rounds once: eager and compiled disagreed).
+        wide = pftree.map(lambda g, t: g.to(_compute_dtype(t, g)) + decay * t.to(_compute_dtype(t, g)),
+                          updates, state.trace)
         if nesterov:
-            updates = pftree.map(lambda g, t: g + decay * t, updates, new_trace)
+            updates = pftree.map(lambda g, w: (g.to(w.dtype) + decay * w).to(g.dtype), updates, wide)
         else:
-            updates = new_trace
+            updates = pftree.map(lambda g, w: w.to(g.dtype), updates, wide)
+        new_trace = pftree.map(lambda w, t: w.to(t.dtype), wide, state.trace)
         return updates, TraceState(trace=new_trace)
 
     return GradientTransformation(init_fn, update_fn)
@@ -210,13 +217,18 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None):
         del params
-        # The first moment is computed in the wider of its dtype and the gradient's, the update taken from that
-        # value, and only what is stored is cast to `mu_dtype` (as optax does). Computed in bfloat16 instead
+        # Both moments are computed in `_compute_dtype` (the wider of their dtype and the gradient's, at least
+        # float32), the update taken from those values and cast once to the gradient's dtype, and only what is
+        # stored is cast to the moments' dtypes (as optax does for the first moment). Computed in bfloat16 instead
         # (`m / bias_correction1` stays bfloat16 in eager: a 0-d float32 tensor does not promote it), Inductor
-        # skipped those intermediate roundings and gave other numbers than eager.
+        # skipped those intermediate roundings and gave other numbers than eager; in float16, `g * g` overflowed.
         mu = pftree.map(lambda g, m: _like(torch.lerp(*_as_real_in(m, g), 1.0 - b1), m), updates, state.mu)
-        nu = pftree.map(lambda g, v: _like(_as_real(v) * b2 + (1.0 - b2) * (_as_real(g) * _as_real(g)), v),
-                        updates, state.nu)
+
+        def second_moment(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            v_wide, g_wide = _as_real_in(v, g)
+            return _like(v_wide * b2 + (1.0 - b2) * (g_wide * g_wide), v)
+
+        nu = pftree.map(second_moment, updates, state.nu)
         count = _safe_increment(state.count)
         corrections = {}
 
@@ -241,6 +253,7 @@ def scale_by_adam(
 
         updates = pftree.map(step, updates, mu, nu)
         mu = pftree.map(lambda m, m_old: m.to(m_old.dtype), mu, state.mu)
+        nu = pftree.map(lambda v, v_old: v.to(v_old.dtype), nu, state.nu)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return GradientTransformation(init_fn, update_fn)

@@ -10,16 +10,17 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from pt3func import tree as pftree
 from pt3func.optim.base import (
     GradientTransformation,
     PyTree,
     _device_of,
+    _in_form_of,
     _local_flag,
     _safe_increment,
     _select_tree,
+    _where,
     _zero_count,
     all_finite,
 )
@@ -34,19 +35,6 @@ class ApplyIfFiniteState(NamedTuple):
     """0-d int32: steps with non-finite gradients since `init`."""
     inner_state: PyTree
     """The state of the wrapped transformation."""
-
-
-def _like_leaves(flag: torch.Tensor, tree: PyTree) -> torch.Tensor:
-    """`flag` (plain, the same on every rank) as a replicated DTensor on the mesh of `tree`'s DTensors, if any:
-    `torch.where` of DTensor leaves takes no plain condition outside `pf.jit`. A flag that is already a DTensor
-    (computed from DTensor counters, e.g. an optimizer state sharded apart from the params as in ZeRO) is kept."""
-    if isinstance(flag, DTensor):
-        return flag
-    for leaf in pftree.leaves(tree):
-        if isinstance(leaf, DTensor):
-            mesh = leaf.device_mesh
-            return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return flag
 
 
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
@@ -74,19 +62,20 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         )
 
     def update_fn(updates, state, params=None):
-        finite = _local_flag(all_finite(updates))  # the counters stay plain 0-d tensors beside DTensor params
-        notfinite_count = torch.where(
+        # Every state leaf comes back in the form it came in (`_where`, `_in_form_of`): plain 0-d counters beside
+        # DTensor params, replicated DTensors in a ZeRO state (placed with `P("dp")` over the whole state).
+        finite = _local_flag(all_finite(updates))
+        notfinite_count = _where(
             finite, torch.zeros_like(state.notfinite_count), _safe_increment(state.notfinite_count)
         )
-        total_notfinite = torch.where(finite, state.total_notfinite, _safe_increment(state.total_notfinite))
-        apply = finite | (notfinite_count > max_consecutive_errors)
+        total_notfinite = _where(finite, state.total_notfinite, _safe_increment(state.total_notfinite))
+        apply = finite | (_local_flag(notfinite_count) > max_consecutive_errors)
         new_updates, new_inner_state = inner.update(updates, state.inner_state, params)
-        apply = _like_leaves(apply, new_updates)
         new_updates = _select_tree(apply, new_updates, pftree.map(torch.zeros_like, new_updates))
         inner_state = _select_tree(apply, new_inner_state, state.inner_state)
         return new_updates, ApplyIfFiniteState(
             notfinite_count=notfinite_count,
-            last_finite=finite,
+            last_finite=_in_form_of(finite, state.last_finite),
             total_notfinite=total_notfinite,
             inner_state=inner_state,
         )
@@ -157,12 +146,12 @@ class MultiSteps:
         emit = state.mini_step + 1 >= k
         grads = pftree.map(lambda a: a / k, acc_grads) if self.use_grad_mean else acc_grads
         new_updates, new_inner_state = self.inner.update(grads, state.inner_opt_state, params)
-        new_updates = pftree.map(lambda u: torch.where(emit, u, torch.zeros_like(u)), new_updates)
+        new_updates = pftree.map(lambda u: _where(emit, u, torch.zeros_like(u)), new_updates)
         return new_updates, MultiStepsState(
-            mini_step=torch.where(emit, torch.zeros_like(state.mini_step), state.mini_step + 1),
-            gradient_step=torch.where(emit, _safe_increment(state.gradient_step), state.gradient_step),
+            mini_step=_where(emit, torch.zeros_like(state.mini_step), state.mini_step + 1),
+            gradient_step=_where(emit, _safe_increment(state.gradient_step), state.gradient_step),
             inner_opt_state=_select_tree(emit, new_inner_state, state.inner_opt_state),
-            acc_grads=pftree.map(lambda a: torch.where(emit, torch.zeros_like(a), a), acc_grads),
+            acc_grads=pftree.map(lambda a: _where(emit, torch.zeros_like(a), a), acc_grads),
         )
 
     def has_updated(self, state: MultiStepsState) -> torch.Tensor:
