@@ -7,6 +7,12 @@ backward): a data parallel or tensor parallel step on a gloo world failed inside
 kernel, over the CPU kernel's signature: everything replicated, or batch (dim 0) sharded, or heads (dim 1)
 sharded, for every tensor of the op. An attention mask follows q along the dims it has (a dim of size 1
 broadcasts, so it stays replicated there).
+
+DTensor shards the pooling forwards along batch and channels, but has no rule for some of their backwards
+(`adaptive_max_pool2d_backward` of `nn.AdaptiveMaxPool2d`, ...): a data-parallel step failed in the backward. Each
+(sample, channel) plane pools alone, and the indices a max pool saves count within its plane, so the rule here is
+the forward's: every tensor replicated, or every tensor split along the batch (dim 0), or along the channels
+(dim 1, batched inputs only).
 """
 
 from __future__ import annotations
@@ -55,6 +61,27 @@ def _cpu_flash_backward(op_schema: OpSchema) -> OpStrategy:
     return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 1), input_index=3)
 
 
+# Pooling backwards without a DTensor rule -> their spatial rank (inputs are (N, C, *spatial) or (C, *spatial)).
+_POOL_BACKWARDS = {
+    aten.adaptive_max_pool2d_backward.default: 2,
+    aten.adaptive_max_pool3d_backward.default: 3,
+    aten.max_pool3d_with_indices_backward.default: 3,
+    aten._adaptive_avg_pool3d_backward.default: 3,
+    aten.avg_pool2d_backward.default: 2,
+    aten.avg_pool3d_backward.default: 3,
+}
+
+
+def _pool_backward(op_schema: OpSchema) -> OpStrategy:
+    # output: grad_input; inputs: grad_output, self (then indices, for a max pool)
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    n = 1 + len([a for a in op_schema.args_schema if isinstance(a, OpStrategy)])
+    strategies = [[Replicate()] * n, [Shard(0)] * n]
+    if op_schema.args_schema[1].ndim >= _POOL_BACKWARDS[op_schema.op] + 2:  # batched: dim 1 holds the channels
+        strategies.append([Shard(1)] * n)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1)
+
+
 def _registered() -> set:
     from torch.distributed.tensor import DTensor
 
@@ -67,7 +94,7 @@ def register_missing_rules() -> None:
     rules = (
         (aten._scaled_dot_product_flash_attention_for_cpu.default, _cpu_flash_forward, RuntimeSchemaInfo(3)),
         (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, _cpu_flash_backward, RuntimeSchemaInfo(6)),
-    )
+    ) + tuple((op, _pool_backward, RuntimeSchemaInfo(2)) for op in _POOL_BACKWARDS)
     for op, rule, schema_info in rules:
         if op not in have:
             register_op_strategy(op, schema_info=schema_info)(rule)

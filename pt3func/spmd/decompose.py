@@ -16,20 +16,34 @@ runs pt3func's own (`_weight_norm_interface_backward`).
 
 The same block also takes `argmax()` / `argmin()` without a dim over a split value (see
 `_flat_argminmax_of_the_whole`).
+
+An op with neither a rule nor a decomposition (`tril_` of `parametrizations.orthogonal`, `_embedding_bag` with
+offsets, ...) whose DTensor operands are all replicated on one mesh runs on the local tensors, its outputs
+replicated: every rank computes what one device does (`_replicated_fallback`). Pending sums among the operands
+are reduced first. In-place and `out=` ops write into their operand and give it back; a written pending sum stays
+one (the result on one rank, zeros on the others), so views of it, which keep its placements, read the result.
+Any other such op (a split operand, say) is refused with a `ShardingError` naming the op, its operands'
+placements and the user's line, which DTensor's own error did not name. Random ops (each rank would draw its own
+numbers) are refused too; ops whose output shape depends on values keep DTensor's error, which
+`trace/capture.py` turns into a data-dependent one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch._decomp import decomposition_table
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils import _pytree as pytree
 
+from pt3func.errors import ShardingError
 from pt3func.spmd.lower import on_whole_values
+from pt3func.trace.source import describe, is_user_file
 
 aten = torch.ops.aten
 
@@ -120,12 +134,115 @@ def decomposing_ops_without_rules() -> Iterator[None]:
     replaced = {op: handlers[op] for op in (aten.argmax.default, aten.argmin.default) if op in handlers}
     handlers.update(added)
     handlers.update({op: functools.partial(_flat_argminmax_of_the_whole, fn) for op, fn in replaced.items()})
+    dispatcher = DTensor._op_dispatcher
+    # torch >= 2.12 dispatches in C++ and calls back here when sharding propagation misses its cache; the C++ side
+    # looks the method up on the dispatcher object each time, so an instance attribute takes effect.
+    slow_path = "_propagate_op_sharding_dispatch_slow_path"
+    patched = hasattr(dispatcher, slow_path) and slow_path not in vars(dispatcher)
+    if patched:
+        setattr(dispatcher, slow_path, functools.partial(_replicated_fallback, getattr(dispatcher, slow_path)))
     try:
         yield
     finally:
+        if patched:
+            delattr(dispatcher, slow_path)
         for op in added:
             handlers.pop(op, None)
         handlers.update(replaced)
+
+
+_NO_RULE = "does not have a sharding strategy registered"
+
+
+def _replicated_fallback(original: Callable[..., Any], op_call: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                         op_info: Any, *rest: Any) -> Any:
+    """DTensor's sharding propagation for `op_call`; where the op has no rule: run it on the local tensors if every
+    DTensor operand is replicated on one mesh, else a `ShardingError` (see the module doc)."""
+    try:
+        return original(op_call, args, kwargs, op_info, *rest)
+    except NotImplementedError as exc:
+        value_shaped = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output} & set(op_call.tags)
+        if _NO_RULE not in str(exc) or value_shaped:
+            raise
+        dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+        meshes = {d.device_mesh for d in dtensors}
+        random = torch.Tag.nondeterministic_seeded in op_call.tags
+        if random or len(meshes) != 1 or not all(_whole_or_pending(d) for d in dtensors):
+            raise ShardingError(_refusal(op_call, args, kwargs, random)) from None
+    return _run_on_local_tensors(op_call, args, kwargs, meshes.pop())
+
+
+def _written_operands(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[frozenset, Any]:
+    """The operands `op` writes (in-place, `out=`), by alias set."""
+    bound = {**dict(zip([a.name for a in op._schema.arguments], args)), **kwargs}
+    return {frozenset(a.alias_info.before_set): bound.get(a.name) for a in op._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write}
+
+
+def _whole_or_pending(d: DTensor) -> bool:
+    """Replicated, or a pending sum, which can be reduced first."""
+    return all(p.is_replicate() or p.is_partial() for p in d.placements)
+
+
+def _run_on_local_tensors(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: Any) -> Any:
+    """`op` of replicated operands (pending sums reduced first) on each rank's local copies, its new outputs
+    replicated DTensors."""
+    whole = [Replicate()] * mesh.ndim
+    written = _written_operands(op, args, kwargs)
+    written_ids = {id(d) for d in written.values()}
+    write_back: list[tuple[DTensor, DTensor]] = []
+
+    def reduced(d: DTensor) -> DTensor:
+        if all(p.is_replicate() for p in d.placements):
+            return d
+        r = d.redistribute(mesh, whole)
+        if id(d) in written_ids:
+            write_back.append((d, r))
+        return r
+
+    reduced_args, reduced_kwargs = pytree.tree_map_only(DTensor, reduced, (args, kwargs))
+    unwrap = functools.partial(pytree.tree_map_only, DTensor, lambda d: d._local_tensor)
+    out = op(*unwrap(reduced_args), **unwrap(reduced_kwargs))
+    for d, r in write_back:
+        # A written pending sum stays one, holding the result (on one rank, zeros on the others for a sum), so views
+        # sharing its local tensor, which keep its placements, read the result too.
+        # (DTensor's `redistribute` refuses Replicate -> Partial to users: each placement's own partition here.)
+        local = r._local_tensor
+        for axis, p in enumerate(d.placements):
+            if p.is_partial():
+                local = p._partition_value(local, mesh, axis)
+        d._local_tensor.copy_(local)
+    outs = out if isinstance(out, tuple) else (out,)
+    wrapped = []
+    for ret, value in zip(op._schema.returns, outs):
+        # An output that aliases a written operand (in-place, out=) is that operand, as DTensor gives it back.
+        key = ret.alias_info is not None and frozenset(ret.alias_info.before_set)
+        if key in written and isinstance(written[key], DTensor):
+            wrapped.append(written[key])
+        else:
+            wrapped.append(pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(
+                t, mesh, whole, run_check=False), value))
+    return tuple(wrapped) if isinstance(out, tuple) else wrapped[0]
+
+
+def _refusal(op: torch._ops.OpOverload, args: tuple, kwargs: dict, random: bool) -> str:
+    bound = {**dict(zip([a.name for a in op._schema.arguments], args)), **kwargs}
+    operands = ", ".join(f"{name}: {tuple(v.placements)} on mesh {v.device_mesh.mesh_dim_names}"
+                         for name, v in bound.items() if isinstance(v, DTensor))
+    node = torch._C._current_autograd_node()
+    where = f"in the backward of {node.name()}" if node is not None else f"at {_user_line()}"
+    why = ("it draws random numbers: each rank would draw its own" if random else
+           "DTensor has no sharding rule for it, and pt3func runs such an op itself only where every operand is "
+           "replicated on one mesh")
+    return (f"{op} {where} cannot run on these operands ({operands}): {why}. Replicate its operands first "
+            "(pf.with_sharding_constraint(x, P()) before the call), or keep the step unsharded there.")
+
+
+def _user_line() -> str:
+    frame = sys._getframe(1)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return "an unknown line" if frame is None else describe(frame.f_code.co_filename, frame.f_lineno)
 
 
 def _flat_argminmax_of_the_whole(original: Callable[..., Any], op: torch._ops.OpOverload, args: tuple,

@@ -5,8 +5,8 @@
   (`vocab_embedding.index_as_lookup`).
 - `F.batch_norm` / `F.instance_norm` in training mode: written out in DTensor ops, so the running statistics
   are updated where the step reads them (`batch_norm.py`).
-- Group normalisation, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`) on batch-sharded
-  inputs: run on each rank's own samples (`per_sample.py`).
+- Group normalisation, bilinear layers, embedding bags and recurrent kernels (`nn.RNN` / `nn.GRU` / `nn.LSTM`)
+  on batch-sharded inputs: run on each rank's own samples (`per_sample.py`).
 - `F.dropout` (and `dropout1d / 2d / 3d`), `torch.rand_like`, `torch.randn_like` and in-place random fills on
   split values: each rank keeps its block of the single-device draw (`random_ops.py`).
 - `F.cross_entropy` / `F.nll_loss` with a mean over a split batch: the whole batch's mean (`mean_loss.py`).
@@ -36,7 +36,13 @@ from pt3func._compat import DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN, is_plain_shard
 from pt3func.spmd.batch_norm import batch_norm_exactly, instance_norm_exactly
 from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
 from pt3func.spmd.mean_loss import MEAN_LOSSES, exact_mean
-from pt3func.spmd.per_sample import RECURRENT, embedding_bag_locally, group_norm_locally, run_locally
+from pt3func.spmd.per_sample import (
+    RECURRENT,
+    bilinear_locally,
+    embedding_bag_locally,
+    group_norm_locally,
+    run_locally,
+)
 from pt3func.spmd.random_ops import RANDOM, redraw, warn_uncovered
 from pt3func.spmd.scans import SCANS, with_dim_normalized
 from pt3func.spmd.uninitialized import (
@@ -53,6 +59,7 @@ _RULES: dict[Callable, Callable[[tuple, dict], Any]] = {
     F.batch_norm: batch_norm_exactly,
     F.instance_norm: instance_norm_exactly,
     F.group_norm: group_norm_locally,
+    F.bilinear: bilinear_locally,
     F.embedding: lambda args, kwargs: lookup(*args, **kwargs),
 }
 if DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN:

@@ -11,6 +11,9 @@ Group normalisation (`F.group_norm`): DTensor shards its forward, but its backwa
 Bags of embeddings (`F.embedding_bag` over 2-D indices, a bag per row): DTensor has no rule for
 `aten._embedding_bag`.
 
+Bilinear layers (`F.bilinear`, `nn.Bilinear`): DTensor has no rule for `aten._trilinear`, forward or backward.
+Both inputs must be split alike along a dim other than the features (the last).
+
 Recurrent layers (`nn.RNN`, `nn.GRU`, `nn.LSTM`): DTensor cannot run them: their CPU kernels transpose in
 place (`aten.transpose_`), which has no sharding rule (it would change the tensor's placements). Outputs are
 split along the batch dim, the final hidden (and cell) states along theirs (dim 1). A whole initial state (made
@@ -74,6 +77,26 @@ def embedding_bag_locally(args: tuple, kwargs: dict) -> Any:
         local["per_sample_weights"] = per_sample.to_local()
     out = torch.nn.functional.embedding_bag(**local)
     return DTensor.from_local(out, inp.device_mesh, inp.placements, run_check=False)
+
+
+def bilinear_locally(args: tuple, kwargs: dict) -> Any:
+    """`F.bilinear(input1, input2, weight, bias)` on each rank's samples; None where not exact."""
+    bound = dict(zip(("input1", "input2", "weight", "bias"), args), **kwargs)
+    x1, x2, weight, bias = (bound.get(k) for k in ("input1", "input2", "weight", "bias"))
+    if not isinstance(x1, DTensor) or not isinstance(x2, DTensor) or x1.ndim < 2 or x1.ndim != x2.ndim:
+        return None
+    if tuple(x1.placements) != tuple(x2.placements) or x1.device_mesh != x2.device_mesh:
+        return None
+    weights = [weight] + ([bias] if bias is not None else [])
+    split = {p.dim for p in x1.placements if is_plain_shard(p)}
+    if len(split) != 1 or not all(_replicated(w, x1.device_mesh) for w in weights):
+        return None
+    axes = _batch_axes(x1, split.pop())
+    if not axes or x1.placements[min(axes)].dim == x1.ndim - 1:  # split along the features: mixes them
+        return None
+    out = torch.nn.functional.bilinear(x1.to_local(), x2.to_local(), _local_weight(weight, axes),
+                                       None if bias is None else _local_weight(bias, axes))
+    return DTensor.from_local(out, x1.device_mesh, x1.placements, run_check=False)
 
 
 def run_locally(func: Callable, args: tuple) -> Any:
