@@ -82,6 +82,31 @@ def _pool_backward(op_schema: OpSchema) -> OpStrategy:
     return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1)
 
 
+# Pooling forwards -> (spatial rank, outputs): DTensor >= 2.12 has rules for them, torch 2.11 not for all
+# (`adaptive_max_pool2d`); registered only where missing, with the same rule as their backwards.
+_POOL_FORWARDS = {
+    aten.adaptive_max_pool2d.default: (2, 2),
+    aten.adaptive_max_pool3d.default: (3, 2),
+    aten.max_pool2d_with_indices.default: (2, 2),
+    aten.max_pool3d_with_indices.default: (3, 2),
+    aten._adaptive_avg_pool2d.default: (2, 1),
+    aten._adaptive_avg_pool3d.default: (3, 1),
+    aten.avg_pool2d.default: (2, 1),
+    aten.avg_pool3d.default: (3, 1),
+}
+
+
+def _pool_forward(op_schema: OpSchema) -> OpStrategy:
+    # outputs: the pooled value (and a max pool's indices); input: self
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    spatial, outputs = _POOL_FORWARDS[op_schema.op]
+    n = outputs + 1
+    strategies = [[Replicate()] * n, [Shard(0)] * n]
+    if op_schema.args_schema[0].ndim >= spatial + 2:
+        strategies.append([Shard(1)] * n)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=outputs)
+
+
 def _registered() -> set:
     from torch.distributed.tensor import DTensor
 
@@ -94,7 +119,9 @@ def register_missing_rules() -> None:
     rules = (
         (aten._scaled_dot_product_flash_attention_for_cpu.default, _cpu_flash_forward, RuntimeSchemaInfo(3)),
         (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, _cpu_flash_backward, RuntimeSchemaInfo(6)),
-    ) + tuple((op, _pool_backward, RuntimeSchemaInfo(2)) for op in _POOL_BACKWARDS)
+    ) + tuple((op, _pool_backward, RuntimeSchemaInfo(2)) for op in _POOL_BACKWARDS) + tuple(
+        (op, _pool_forward, RuntimeSchemaInfo(1)) for op in _POOL_FORWARDS
+    )
     for op, rule, schema_info in rules:
         if op not in have:
             register_op_strategy(op, schema_info=schema_info)(rule)
