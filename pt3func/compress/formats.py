@@ -487,18 +487,10 @@ class TopK(Format):
             # in the residual.
             vals = torch.where(vals.abs() >= self.threshold(v, step), vals, torch.zeros_like(vals))
         if self.codec is None:
-            payload, sent = vals.view(1, k), vals
+            payload = vals.view(1, k)
         else:
             cols = _round_up(k, self.codec.align)
             payload, _ = self.codec.encode(F.pad(vals, (0, cols - k)).view(1, cols), None, _seed(step, r, 0))
-            sent = self.codec.decode(payload, cols)[0, :k]  # what the other ranks will read
-        new = {}
-        if residual is not None:
-            new["residual"] = v.scatter(0, idx, v.gather(0, idx) - sent).view(residual.shape)
-        if velocity is not None:
-            # Momentum factor masking (DGC): a sent entry's momentum is dropped with it, else it keeps pushing an
-            # already applied direction from a stale value.
-            new["velocity"] = u.scatter(0, idx, torch.where(vals == 0, u.gather(0, idx), 0.0)).view(velocity.shape)
         index_dtype = torch.int32 if n < 2**31 else torch.int64
         value_bytes = _as_bytes(payload, 1)
         packed = torch.cat([value_bytes, _as_bytes(idx.to(index_dtype), 1)], dim=1)
@@ -508,6 +500,19 @@ class TopK(Format):
         if self.codec is not None:
             got_vals = self.codec.decode(got_vals, cols)
         got_idx = _from_bytes(got[:, vb:], index_dtype, r.world)
+        new = {}
+        # The new state is v less what this rank sent, read back from its own row of the all-gather (the values
+        # the other ranks read, bit for bit): a dense tensor, zero off the sent entries, subtracted elementwise.
+        # So the state's donated buffer can take its new value: a value read from it at other positions (the
+        # gathered top-k entries) must not flow into it except through a kernel of its own (the collective).
+        sent = torch.zeros_like(v).scatter(0, got_idx[r.rank].to(torch.int64), got_vals[r.rank, :k])
+        if residual is not None:
+            new["residual"] = (v - sent).view(residual.shape)
+        if velocity is not None:
+            # Momentum factor masking (DGC): a sent entry's momentum is dropped with it, else it keeps pushing an
+            # already applied direction from a stale value. (Entries sent as zeros, under the adaptive threshold
+            # or rounded to zero by a codec, keep theirs, as the residual keeps their whole value.)
+            new["velocity"] = torch.where(sent != 0, 0.0, u).view(velocity.shape)
         dense = torch.zeros(n, dtype=torch.float32, device=x.device)
         # One rank at a time: within a rank the indices are distinct, so no two atomic adds race and every rank
         # sums in the same order (replicas of a data-parallel parameter stay bit-identical on GPUs too).
@@ -713,6 +718,13 @@ class NoCompression(Format):
 
     def describe(self) -> str:
         return "uncompressed"
+
+
+def exchange_shape(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape a format sees for a gradient of `shape` and `dtype`: a complex gradient is exchanged as its real
+    view (`torch.view_as_real`, shape `(*shape, 2)`), so every format sends, sums and error-corrects its real and
+    imaginary parts alike (formats compute in fp32 and would otherwise drop the imaginary part)."""
+    return (*shape, 2) if dtype.is_complex else tuple(shape)
 
 
 def leaf_seed(path: str) -> int:

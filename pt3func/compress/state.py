@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from pt3func import tree
-from pt3func.compress.formats import Format, leaf_seed
+from pt3func.compress.formats import Format, exchange_shape, leaf_seed
 
 
 class LeafState(NamedTuple):
@@ -152,6 +152,25 @@ def local_grad_shape(leaf: DTensor, data_dims: Sequence[int]) -> tuple[int, ...]
     return tuple(shape)
 
 
+def first_reduction(leaf: DTensor, data_dims: Sequence[int]) -> tuple[str, int]:
+    """(kind, group size) of the first reduction of `leaf`'s gradient over the data axes: the one the exchange
+    compresses when it keeps state (later reductions of the leaf stay exact, see the grad_exchange pass).
+
+    DTensor reduces a pending sum one mesh axis at a time, in mesh order (merging neighbouring axes of one kind
+    into one collective): on an HSDP mesh ("dp", "fsdp") with the parameter sharded over "fsdp" that is an
+    all-reduce over "dp", then a reduce-scatter over "fsdp"; on ("fsdp", "dp") a reduce-scatter first.
+    """
+    mesh = leaf.device_mesh
+    ordered = sorted(data_dims)
+    sharding = [d for d in ordered if isinstance(leaf.placements[d], Shard)]
+    if not sharding:
+        return "all_reduce", math.prod(mesh.size(d) for d in ordered)
+    leading = [d for d in ordered if d < sharding[0]]
+    if not leading:
+        return "reduce_scatter", math.prod(mesh.size(d) for d in sharding)
+    return "all_reduce", math.prod(mesh.size(d) for d in leading)
+
+
 def _per_rank(local: torch.Tensor, mesh: Any) -> DTensor:
     """`local` as this rank's row of a (ranks, *shape) DTensor sharded over every mesh axis."""
     shape = (mesh.size(), *local.shape)
@@ -190,26 +209,25 @@ def init(fmt: Format, params: Any, data_axes: str | Sequence[str] | None = None)
         empty = [LeafState() for _ in leaves]
         return ExchangeState(step, tree.unflatten(tree.structure(params), empty), fmt, None)
     dims, axes = _data_dims(mesh, data_axes)
-    world = math.prod(mesh.size(d) for d in dims)
     step = DTensor.from_local(step, mesh, [Replicate()] * mesh.ndim, run_check=False)
     states = []
     for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, DTensor) or not leaf.is_floating_point():
+        if not isinstance(leaf, DTensor) or not (leaf.is_floating_point() or leaf.is_complex()):
             states.append(LeafState())
             continue
         label = tree.keystr(path)
         try:
-            shape = local_grad_shape(leaf, dims)
+            shape = exchange_shape(local_grad_shape(leaf, dims), leaf.dtype)
         except ValueError as exc:
             raise ValueError(f"grad_exchange state of {label}: {exc}") from None
         leaf_fmt = fmt.resolve(label, shape)
         if leaf_fmt is None:
             states.append(LeafState())
             continue
-        kind = "reduce_scatter" if any(isinstance(leaf.placements[d], Shard) for d in dims) else "all_reduce"
+        kind, group_size = first_reduction(leaf, dims)
         fields = {
             name: _per_rank(leaf_fmt.initial_state(name, s, leaf_seed(label), device), mesh)
-            for name, s in leaf_fmt.state_shapes(shape, kind, world).items()
+            for name, s in leaf_fmt.state_shapes(shape, kind, group_size).items()
         }
         states.append(LeafState(**fields))
     return ExchangeState(step, tree.unflatten(tree.structure(params), states), fmt, axes)

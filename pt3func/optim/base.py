@@ -259,6 +259,8 @@ def _select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTre
     (a Python number in a state) is `on_true`'s."""
 
     def select(a, b):
+        if a is b:  # a leaf both branches pass through (an ExchangeState `with_state` returns) stays that object
+            return a
         if isinstance(a, torch.Tensor) or _is_array_like(a):
             return _where(pred, a, b)
         return a

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pt3func import analysis, tree
-from pt3func.compress.formats import Codec, Format, Reduction, leaf_seed
+from pt3func.compress.formats import Codec, Format, Reduction, exchange_shape, leaf_seed
 from pt3func.compress.state import ExchangeState, LeafState, is_leaf_state, is_state
 from pt3func.config import config
 from pt3func.passes import replace_outputs
@@ -55,6 +56,14 @@ _ARG = re.compile(r"(args\[\d+\]|[A-Za-z_]\w*)(.*)$", re.S)
 _UNLABELLED = "a parameter"
 
 
+# For a state that fits no longer: residuals are per-rank values of one mesh size and layout.
+_RELAYOUT_HINT = (
+    " A state restored from a run of another world size or layout cannot be reused: its error-feedback residuals are "
+    "each rank's own compression error, for that run's ranks and gradient shapes; re-initialise it, "
+    "exchange.init(params, data_axes=...), which restarts error feedback from zero (and PowerSGD's Q from its seed)."
+)
+
+
 class GradExchangeError(ValueError):
     """The grad_exchange state does not fit the program (missing, not returned, wrong shapes)."""
 
@@ -70,6 +79,9 @@ class StateBinding:
     # leaf path ("['fc1']['w']") -> (LeafState of input positions, LeafState of output positions or None)
     leaves: dict[str, tuple[LeafState, LeafState | None]] = field(default_factory=dict)
     phase: int = 0  # the state's phase (format.schedule()): the program is the format's `at(phase)`
+    # The step returns an ExchangeState, but not the one it takes: new tensors computed from it (an optimizer
+    # wrapper's torch.where over its state, MultiSteps / apply_if_finite around with_state).
+    rebuilt: bool = False
 
 
 def _axes_of(group_name: str) -> str:
@@ -218,6 +230,15 @@ def rewrite(
             gm.graph.erase_node(member.collective)
         changed = True
     if binding is not None:
+        if binding.step_out is None and binding.rebuilt:
+            raise GradExchangeError(
+                f"{name}: the step returns an ExchangeState, but not the one it takes: an optimizer wrapper "
+                "(pf.optim.MultiSteps, apply_if_finite, ...) rebuilt it from new tensors (a torch.where over its "
+                "state), so the program cannot tell where to write the new residuals and step counter. Put "
+                "with_state outermost, e.g. pf.compress.with_state(pf.optim.MultiSteps(opt, k)"
+                ".gradient_transformation(), exchange) rather than MultiSteps(with_state(opt, exchange), k) (the "
+                "exchange state is updated every step either way)"
+            )
         if binding.step_out is None:
             raise GradExchangeError(
                 f"{name}: the step takes an ExchangeState but does not return it; return it (unchanged) with the "
@@ -338,7 +359,9 @@ def _members(
     """The gradient reductions `fmt` compresses, in program order, each checked against the state."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     phase = binding.phase if binding is not None else 0
-    done: set[str] = set()
+    first_group: dict[str, str] = {}  # leaf label -> the group of its first reduction
+    occurrences: dict[str, int] = {}  # leaf label -> reductions of it met so far
+    kept_exact: list[str] = []
     members = []
     reductions = gradient_reductions(gm)
     # Gradients of several arguments (argnums=(0, 1)): the state is keyed by argument name too, `{"a": a, "b": b}`
@@ -346,11 +369,14 @@ def _members(
     several = len({_split_label(label)[0] for _, _, label in reductions if label != _UNLABELLED}) > 1
     for collective, wait, label in reductions:
         computed = label == _UNLABELLED  # each such reduction is its own leaf, though all share the label
-        if label in done and not computed:  # a second reduction of the same leaf (e.g. over another axis) stays exact
-            continue
-        done.add(label)
+        # A leaf reduced again in the step: once per pf.grad call (micro-batches accumulated in the step), or over
+        # another axis (HSDP: all-reduce over the replica axes, reduce-scatter over the shard axes).
+        again = occurrences.get(label, 0) if not computed else 0
+        occurrences[label] = again + 1
+        first_group.setdefault(label, collective.args[-1])
         path = label if computed else _state_path(label, several, binding)
-        shape = tuple(collective.args[0].meta["val"].shape)
+        grad = collective.args[0].meta["val"]
+        shape = exchange_shape(grad.shape, grad.dtype)  # a complex gradient goes as its real view
         leaf_fmt = fmt.resolve(path, shape)
         if leaf_fmt is not None and not set(leaf_fmt.schedule()) <= set(fmt.schedule()):
             raise GradExchangeError(
@@ -366,8 +392,18 @@ def _members(
             _reduce_other_axes_first(gm, collective, binding.data_axes)
         group_name = collective.args[-1]
         world, rank = group_info(group_name)
-        r = Reduction(kind, collective.args[1], group_name, world, rank, tuple(wait.meta["val"].shape), leaf_seed(path))
+        out_shape = exchange_shape(wait.meta["val"].shape, grad.dtype)
+        # Each reduction of a leaf draws its own random stream (stochastic rounding), not the first one's again.
+        seed = leaf_seed(path if not again else f"{path}#{again}")
+        r = Reduction(kind, collective.args[1], group_name, world, rank, out_shape, seed)
         needed = leaf_fmt.state_shapes(shape, kind, world)
+        if again and needed:
+            # The state holds one residual per leaf, for its first reduction; a later reduction has none of its own,
+            # so it stays exact. Feeding it the first one's residual would add the same error back twice (or into
+            # another axis's sum), breaking error feedback.
+            if group_name == first_group[label]:
+                kept_exact.append(label)
+            continue
         if computed and needed:
             raise GradExchangeError(
                 f"{name}: grad_exchange ({fmt.describe()}) keeps state ({', '.join(needed)}) per leaf, but a gradient "
@@ -395,7 +431,7 @@ def _members(
                     f"{held or 'no leaves'}), which {leaf_fmt.describe()} needs (gradient of local shape "
                     f"{list(shape)} before its {kind} over {world} ranks). Build the state with the same format and "
                     f"parameters (DTensors, as the step gets them); on a mesh of several axes pass data_axes= to "
-                    f"init.{hint}"
+                    f"init.{hint}{_RELAYOUT_HINT}"
                 )
             node = placeholders[pos]
             have = tuple(node.meta["val"].shape[1:])
@@ -408,11 +444,21 @@ def _members(
                     f"{binding.data_axes}). A reduction over more axes than the data's (a replicated parameter "
                     "after a row-parallel layer is also a pending sum over that layer's axis) cannot keep state: "
                     "leave that parameter uncompressed, pf.compress.per_leaf(lambda path, shape: None if path == "
-                    f"{path!r} else fmt), or use a stateless format (bf16, fp16)."
+                    f"{path!r} else fmt), or use a stateless format (bf16, fp16).{_RELAYOUT_HINT}"
                 )
             member.state_nodes.append(node)
             member.stored[field_name] = tuple(node.meta["val"].shape)
         members.append(member)
+    if kept_exact:
+        warnings.warn(
+            f"{name}: grad_exchange ({fmt.describe()}) keeps error-feedback state per leaf, for its first gradient "
+            f"reduction of the step, but {', '.join(dict.fromkeys(kept_exact))} "
+            f"{'is' if len(set(kept_exact)) == 1 else 'are'} reduced again (a second pf.grad call: micro-batches "
+            "accumulated inside the step); those later reductions are sent uncompressed (fp32). Sum the micro-batch "
+            "losses under one pf.grad, accumulate across steps with pf.optim.MultiSteps, or use a stateless format "
+            "(bf16, fp16, or int8 / int4 / topk with error_feedback=False), which compresses every reduction.",
+            stacklevel=2,
+        )
     return members
 
 
@@ -458,7 +504,8 @@ def _reduce(bucket: list[_Member], with_step: bool, *flat: torch.Tensor) -> list
     """The compressed reduction of `bucket` (traced): inputs are the gradients, then each member's state
     tensors, then the step counter if the format reads it; outputs the results, then the new state tensors."""
     rest = iter(flat[len(bucket):])
-    xs = list(flat[:len(bucket)])
+    # Complex gradients as their real views (see `exchange_shape`); their results are viewed back below.
+    xs = [torch.view_as_real(x) if x.is_complex() else x for x in flat[:len(bucket)]]
     states = [{n: next(rest).view(m.shapes[n]) for n in m.names} for m in bucket]
     step = next(rest) if with_step else None
     fmt = bucket[0].format
@@ -467,6 +514,7 @@ def _reduce(bucket: list[_Member], with_step: bool, *flat: torch.Tensor) -> list
         outs, news = [out], [new]
     else:
         outs, news = fmt.reduce_bucket(xs, states, step, [m.reduction for m in bucket])
+    outs = [torch.view_as_complex(out.contiguous()) if x.is_complex() else out for out, x in zip(outs, flat)]
     return [*outs, *(new[n].reshape(m.stored[n]) for m, new in zip(bucket, news) for n in m.names)]
 
 
@@ -550,13 +598,11 @@ def bind(
     state_in = states_in[0]
     gin = {leaf: g for g, leaf in enumerate(graph_input_leaves)}
     gout = {leaf: g for g, leaf in enumerate(graph_output_leaves)}
-    state_out = next(
-        (s for s in _states(tree.unflatten(out_treedef, list(range(out_treedef.num_leaves))))
-         if out_source.get(s.step) == state_in.step),
-        None,
-    )
+    states_out = _states(tree.unflatten(out_treedef, list(range(out_treedef.num_leaves))))
+    state_out = next((s for s in states_out if out_source.get(s.step) == state_in.step), None)
     binding = StateBinding(state_in.format, state_in.data_axes, gin[state_in.step],
-                           None if state_out is None else gout.get(state_out.step), phase=state_in.phase)
+                           None if state_out is None else gout.get(state_out.step), phase=state_in.phase,
+                           rebuilt=state_out is None and any(s.format == state_in.format for s in states_out))
     out_leaves = {} if state_out is None else _leaf_states(state_out.leaves)
     for path, ls in _leaf_states(state_in.leaves).items():
         out = out_leaves.get(path)
