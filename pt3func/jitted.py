@@ -478,6 +478,8 @@ class Jitted:
         self._lowered = {}
         self._watches = {}
         self._module_refs = {}
+        with _LOCKS_GUARD:  # the signatures' locks (their keys hold the static arguments)
+            _SIGNATURE_LOCKS.pop(self, None)
         self._last_seen = _CLEARED
         # Every thread's last call (the fast path's program and the leaf keys it remembers) with it.
         self._leaf_memo = LeafKeyMemo(leaf_key)

@@ -23,6 +23,7 @@ from pt3func.runtime import virtual
 from pt3func.runtime.backend import compile_program
 from pt3func.runtime.cudagraphs import CUDAGraphRunner, check_capturable
 from pt3func.runtime.donated import invalidate, refuse_inference_donation
+from pt3func.runtime.rank_generators import drawing_as_rank, draws_random
 from pt3func.sharding.mesh import get_mesh
 from pt3func.spmd.lower import place_plain_output
 from pt3func.trace.module_modes import NO_WATCH, static_module_modes
@@ -196,6 +197,8 @@ class Compiled:
         self.lowered = lowered
         self._runner = runner
         self._graphed = isinstance(runner, CUDAGraphRunner)
+        # (a virtual rank runs such a program drawing from its own generator, `rank_generators`)
+        self._draws_random = draws_random(lowered._program.graph_module)
         self._wrapper_source = wrapper_source  # Inductor's generated Python for the program, if compiled by it
         self._memory: dict[str, int] | None = None
         p = lowered._program
@@ -398,7 +401,11 @@ class Compiled:
         torch._C._set_grad_enabled(False)  # torch.no_grad() without the context manager's cost
         try:
             # A CUDA graph swaps each donated input in `inputs` for the captured buffer holding its new value.
-            outs = self._runner.run(inputs) if self._graphed else self._runner(*inputs)
+            if self._draws_random and not self._graphed and virtual.in_rank_thread():
+                with drawing_as_rank():  # a virtual rank's draws from its own generator
+                    outs = self._runner(*inputs)
+            else:
+                outs = self._runner.run(inputs) if self._graphed else self._runner(*inputs)
         except RuntimeError:
             # Torch's "inplace update to inference tensor" for a donated one: named here rather than checked before
             # every call (the first call's compile checks it: `refuse_inference_donation`).

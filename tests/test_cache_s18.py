@@ -188,3 +188,21 @@ def test_virtual_ranks_keep_their_own_programs() -> None:
 
 def _axis_numbers(x: torch.Tensor) -> torch.Tensor:
     return x * 0 + pf.lax.axis_size("dp") + 10 * pf.lax.axis_index("dp")
+
+
+def test_clear_cache_frees_static_arguments() -> None:
+    class Config:  # hashed by identity, holding a big tensor
+        def __init__(self) -> None:
+            self.table = torch.zeros(1000)
+
+    @pf.jit(static_argnums=(1,), backend="eager")
+    def f(x: torch.Tensor, config: Config) -> torch.Tensor:
+        return x + 1
+
+    config = Config()
+    f(torch.ones(2), config)
+    ref = weakref.ref(config)
+    del config
+    f.clear_cache()
+    gc.collect()
+    assert ref() is None

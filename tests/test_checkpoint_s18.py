@@ -113,6 +113,26 @@ def test_crash_between_the_renames_of_a_resave_keeps_the_step(tmp_path: Path, mo
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
+def test_a_reader_never_commits_a_first_save_in_flight(tmp_path: Path, monkeypatch) -> None:
+    # A first save whose manifest is written but not yet renamed is no re-save: a reader's restore() leaves it to
+    # the writer, whose rename would otherwise fail (and the reader would see a step before it is committed).
+    writer = CheckpointManager(tmp_path, async_save=False)
+    writer.save(1, {"w": torch.ones(3)})
+    real_rename = os.rename
+    seen = {}
+
+    def read_before_the_commit(src, dst):
+        if str(dst).endswith("step_2"):
+            seen["latest"] = CheckpointManager(tmp_path, async_save=False).restore()["w"][0].item()
+            seen["steps"] = CheckpointManager(tmp_path, async_save=False).all_steps()
+        real_rename(src, dst)
+
+    monkeypatch.setattr(mf.os, "rename", read_before_the_commit)
+    writer.save(2, {"w": torch.full((3,), 2.0)})
+    assert seen == {"latest": 1.0, "steps": [1]}
+    assert writer.all_steps() == [1, 2]
+
+
 def test_partial_dtensor_is_refused_naming_the_key(world_of_one_mesh: pf.Mesh, tmp_path: Path) -> None:
     part = DTensor.from_local(torch.ones(4), world_of_one_mesh.device_mesh, [Partial()])
     with pytest.raises(CheckpointError, match=r"'model/part' is a DTensor with a Partial .*redistribute.*device_get"):

@@ -103,3 +103,20 @@ def test_rule_less_op_on_a_split_operand_names_op_placements_and_line():
         with pytest.raises(pf.ShardingError, match=r"aten\.tril_\.default at .*test_sharded_modules_s18\.py:\d+.*"
                                                    r"Shard\(dim=0\)"):
             pf.jit(f, backend="eager")(pf.device_put(torch.randn(B, 3), P("dp")))
+
+
+def test_in_place_rule_less_op_on_an_integer_pending_sum() -> None:
+    # The written pending sum holds the result on the ranks at coordinate 0 and zeros elsewhere: DTensor's own
+    # split (value / n on every rank) truncated integers (odd values lost 1).
+    mesh = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    a, w = torch.arange(16).reshape(4, 4) % 3, torch.ones(4, 4, dtype=torch.int64)
+
+    def f(a, w):
+        y = a @ w  # a pending sum over tp: a's columns and w's rows are split
+        y.tril_()  # no DTensor rule
+        return y
+
+    got = pf.jit(f, backend="eager")(
+        pf.device_put(a, pf.NamedSharding(mesh, P(None, "tp"))), pf.device_put(w, pf.NamedSharding(mesh, P("tp")))
+    )
+    assert torch.equal(pf.device_get(got), f(a, w))

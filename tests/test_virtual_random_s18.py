@@ -51,3 +51,57 @@ def test_random_draws_on_a_virtual_mesh_under_inductor() -> None:
         got, grad = pf.device_get(step(pf.device_put(params, {"w": P()}), pf.device_put(x, P("dp"))))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(grad["w"], want_grad["w"])
+
+
+def test_virtual_jobs_leave_other_threads_draws_alone() -> None:
+    # Rank 0 draws from the process's generator and nothing is set back after a job: a thread drawing meanwhile
+    # never gets numbers again (setting the generator back to a copy's state after every job repeated them).
+    import threading
+
+    mesh = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    step = pf.jit(lambda x: x * 2, backend="eager")
+    x = pf.device_put(torch.ones(4, 4), pf.NamedSharding(mesh, P("dp")))
+    drawn, stop = [], threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            drawn.append(torch.rand((), dtype=torch.float64).item())  # (float64: no birthday repeats)
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    try:
+        for _ in range(30):
+            step(x)
+    finally:
+        stop.set()
+        thread.join()
+    assert len(set(drawn)) == len(drawn)
+
+
+def test_rank_generators_are_made_once_per_mesh() -> None:
+    from pt3func.passes import random_fills
+
+    mesh = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
+    step = pf.jit(lambda x: F.dropout(x, 0.5), backend="eager")
+    x = pf.device_put(torch.ones(4, 4), pf.NamedSharding(mesh, P("dp")))
+    step(x)
+    held = len(random_fills._GENERATORS)
+    for _ in range(20):
+        step(x)
+    assert len(random_fills._GENERATORS) == held
+
+
+def test_randint_like_draws_as_one_device() -> None:
+    # randint_like(x, low, high) is the `low_dtype` overload, whose generator overload is `low_generator_dtype`
+    x = torch.zeros(4, 8)
+
+    def f(x):
+        return x + torch.randint_like(x, 0, 100)
+
+    step = pf.jit(f, backend="eager")
+    torch.manual_seed(2)
+    want = step(x)
+    with pf.set_mesh(pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)):
+        torch.manual_seed(2)
+        got = step(pf.device_put(x, P()))
+        assert all(torch.equal(block.to_local(), want) for block in got.locals)

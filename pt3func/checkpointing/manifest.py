@@ -64,10 +64,16 @@ def recover(directory: Path) -> list[int]:
     Re-saving a step renames the committed `step_N` aside (`step_N.tmp-replaced-*`) and then the new copy to
     `step_N`; a crash between the two renames leaves both, complete, under temporary names. A copy counts when its
     manifest is of step N and every file passes its checksum; of several, the newest manifest wins (the re-save).
-    Copies being deleted (pruned steps) never come back. Call it only while no save of this directory is in flight.
+    Copies being deleted (pruned steps) never come back, nor a first save's copy that is not yet renamed.
     """
     candidates: dict[int, list[tuple[float, Path]]] = {}
+    # Only steps a re-save was committing (one renamed aside): a complete copy without one is a first save not yet
+    # renamed, which a reader's `restore()` must not commit under the writer (whose own rename would then fail).
+    resaved = {tmp.name.partition(TMP_MARK)[0] for tmp in tmp_dirs(directory)
+               if tmp.name.partition(TMP_MARK)[2].startswith("replaced-")}
     for tmp in tmp_dirs(directory):
+        if tmp.name.partition(TMP_MARK)[0] not in resaved:
+            continue
         name, _, kind = tmp.name.partition(TMP_MARK)
         step = int(name.removeprefix("step_"))
         if kind.startswith("deleting-") or step_dir(directory, step).exists() or not (tmp / MANIFEST).is_file():
@@ -151,7 +157,13 @@ def commit(tmp: Path, final: Path) -> None:
         # Renamed aside first, so a crash between the two renames never leaves a half-deleted committed step.
         old = final.with_name(f"{final.name}{TMP_MARK}replaced-{os.getpid()}")
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except FileNotFoundError:
+        # Between the two renames another process's `recover` (a reader's restore()) committed this very copy,
+        # the newest of the step's complete copies: done.
+        if not (final / MANIFEST).is_file():
+            raise
     _fsync(final.parent)
     if old is not None:
         remove(old)

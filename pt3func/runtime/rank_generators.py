@@ -3,16 +3,25 @@
 The ranks of a virtual mesh are threads of one process, and torch has one default CPU generator per process: a
 program's random ops (a dropout's `bernoulli_`, `torch.rand`, pt3func's `random_fill`) drawn by four rank threads
 took turns on it, so every rank drew other numbers than one device (or a rank of a real world) would, and which
-ones depended on the threads' order. `drawing_from(generator)` runs a rank's job under a dispatch mode (modes are
-per thread) that hands each CPU random op without a generator the rank's own; `VirtualWorld.run` gives every rank
-a copy of the caller's default generator for the job, and leaves the caller's generator where rank 0's ended, as
-the generator of a real world's rank 0 process would be. Ops drawing inside another op's kernel (none on the CPU
-paths pt3func traces: a CPU dropout is traced as `bernoulli_`) are not reached. Outside a jitted step, random ops
-on virtual arrays run as DTensor runs them (its CPU random-op support, which DTensor warns is incomplete).
+ones depended on the threads' order. Now rank 0 draws from the process's generator, as the caller would on one
+device, and every other rank from a generator of its own that `VirtualWorld.run` sets to the caller's state before
+each job (`RankGenerators`): ranks seeded alike draw alike, and the process's generator ends where one device's
+would. The other ranks' draws reach their generators through a dispatch mode (modes are per thread) that hands each
+CPU random op without a generator the rank's own. It is entered only around what may draw (`drawing_as_rank`: a
+program with random ops, an eager op on virtual arrays), since it costs a Python call per op.
+
+Not reached: ops drawing inside another op's kernel (none on the CPU paths pt3func traces: a CPU dropout is traced
+as `bernoulli_`); outside a jitted step, random ops on virtual arrays run as DTensor runs them (its CPU random-op
+support, which DTensor warns is incomplete); a virtual mesh over CUDA devices, whose ranks share the device's
+generator; another thread drawing from the process's generator while a job runs (rank 0 then draws after it, the
+others not).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,11 +41,16 @@ def _generator_index(op: Any) -> int | None:
 
 
 def _with_generator_overload(op: Any) -> Any:
-    """The overload of `op` that takes a generator (`aten.rand.default` -> `aten.rand.generator`); None if none."""
-    name = op._overloadname
-    alternative = {"default": "generator", "names": "generator_with_names"}.get(name, f"{name}_generator")
-    candidate = getattr(op.overloadpacket, alternative, None)
-    return candidate if candidate is not None and _generator_index(candidate) is not None else None
+    """The overload of `op` that takes a generator besides `op`'s own arguments (`aten.rand.default` ->
+    `aten.rand.generator`, `aten.randint_like.low_dtype` -> `low_generator_dtype`); None if none."""
+    names = [a.name for a in op._schema.arguments]
+    packet = op.overloadpacket
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        arguments = [a.name for a in candidate._schema.arguments]
+        if "generator" in arguments and [a for a in arguments if a != "generator"] == names:
+            return candidate
+    return None
 
 
 def _device_type(args: tuple, kwargs: dict) -> str:
@@ -91,6 +105,43 @@ def _set(args: tuple, kwargs: dict, index: int, name: str, value: Any, unset: An
     return args, kwargs
 
 
-def drawing_from(generator: torch.Generator) -> _RankGenerator:
-    """A context in which this thread's CPU random ops that name no generator draw from `generator`."""
-    return _RankGenerator(generator)
+class RankGenerators:
+    """The generators of a virtual world's ranks 1..n-1 (rank 0 draws from the process's), made once per world."""
+
+    def __init__(self, size: int) -> None:
+        self._modes: list[_RankGenerator | None] = [None] + [_RankGenerator(torch.Generator()) for _ in range(1, size)]
+
+    def reseed(self) -> None:
+        """Before a job: every rank's generator at the caller's state, as every process of a world seeded alike."""
+        if len(self._modes) > 1:
+            state = torch.default_generator.get_state()
+            for mode in self._modes[1:]:
+                assert mode is not None
+                mode.generator.set_state(state)
+
+    @contextlib.contextmanager
+    def of_rank(self, rank: int) -> Iterator[None]:
+        """The job of rank `rank` runs in this block: `drawing_as_rank()` in it draws from the rank's generator."""
+        _CURRENT.mode = self._modes[rank]
+        try:
+            yield
+        finally:
+            _CURRENT.mode = None
+
+
+_CURRENT = threading.local()  # .mode: the running rank's _RankGenerator (None on rank 0 and outside a job)
+
+
+def drawing_as_rank() -> contextlib.AbstractContextManager:
+    """A block that may draw random numbers: in a virtual rank's job, they come from the rank's generator."""
+    mode = getattr(_CURRENT, "mode", None)
+    return mode if mode is not None else contextlib.nullcontext()
+
+
+def draws_random(gm: Any) -> bool:
+    """Whether a traced program has random ops (that draw from a generator when it runs)."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and _SEEDED in target.tags:
+            return True
+    return False

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from pt3func import tree
 from pt3func.errors import ShardingError
-from pt3func.runtime.rank_generators import drawing_from
+from pt3func.runtime.rank_generators import RankGenerators, drawing_as_rank
 from pt3func.sharding.mesh import Mesh
 
 # In a rank thread: .rank; while it runs a job, .world (the VirtualWorld it belongs to) and .mesh (the VirtualMesh)
@@ -63,6 +63,7 @@ class VirtualWorld:
         # make_mesh's collective timeout: how long the ranks still running may take once another rank is done
         # (see `_wait`). None: no limit, as before.
         self.timeout = timeout
+        self._generators = RankGenerators(size)
         self._store = dist.HashStore()
         self._jobs: list[queue.Queue] = [queue.Queue() for _ in range(size)]
         self._threads = [
@@ -107,16 +108,12 @@ class VirtualWorld:
                 "that calls the step"
             )
         job = _in_callers_modes(job)
-        # Every rank draws from a copy of the caller's generator, as every process of a real world seeded alike
-        # draws from its own (`rank_generators`); the caller's goes on from where rank 0's ended.
-        state = torch.default_generator.get_state()
-        generators = [torch.Generator().set_state(state) for _ in range(self.size)]
 
         def in_world(rank: int) -> Any:
             # Named for the job only: a rank thread that kept its world in thread-local storage would keep it alive.
             _LOCAL.world = self
             try:
-                with drawing_from(generators[rank]):
+                with self._generators.of_rank(rank):
                     return job(rank)
             finally:
                 _LOCAL.world = None
@@ -128,9 +125,10 @@ class VirtualWorld:
                 # The call's own queue: a rank still running the job of an interrupted caller (Ctrl-C while waiting)
                 # replies there, never to the next caller's queue.
                 replies: queue.Queue = queue.Queue()
-                results = self._wait(in_world, replies)
-                torch.default_generator.set_state(generators[0].get_state())
-                return results
+                # Ranks 1..n-1 draw from copies of the caller's generator, rank 0 from the process's, as every
+                # process of a real world seeded alike draws from its own (`rank_generators`).
+                self._generators.reseed()
+                return self._wait(in_world, replies)
             finally:
                 _CALLER.running = False
 
@@ -591,7 +589,12 @@ def _on_every_rank(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if len(meshes) != 1:
         raise ShardingError(f"an op on virtual arrays of {len(meshes)} different virtual meshes: {fn!r}")
     mesh = next(iter(meshes.values()))
-    return gather_trees(mesh, mesh.run(lambda rank: fn(*scatter_tree(args, rank), **scatter_tree(kwargs, rank))))
+
+    def on_rank(rank: int) -> Any:
+        with drawing_as_rank():
+            return fn(*scatter_tree(args, rank), **scatter_tree(kwargs, rank))
+
+    return gather_trees(mesh, mesh.run(on_rank))
 
 
 def is_virtual_leaf(x: Any) -> bool:

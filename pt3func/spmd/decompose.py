@@ -207,10 +207,18 @@ def _run_on_local_tensors(op: torch._ops.OpOverload, args: tuple, kwargs: dict, 
         # A written pending sum stays one, holding the result (on one rank, zeros on the others for a sum), so views
         # sharing its local tensor, which keep its placements, read the result too.
         # (DTensor's `redistribute` refuses Replicate -> Partial to users: each placement's own partition here.)
+        # Of a sum, the whole value on the ranks at coordinate 0 of each pending axis and zeros on the others (not
+        # DTensor's value / n on every rank, which truncates integers and rounds floats); of a mean, max or min, the
+        # value on every rank.
         local = r._local_tensor
         for axis, p in enumerate(d.placements):
             if p.is_partial():
-                local = p._partition_value(local, mesh, axis)
+                reduce_op = getattr(p, "reduce_op", "sum")
+                if reduce_op == "sum":
+                    if mesh.get_local_rank(axis) != 0:
+                        local = torch.zeros_like(local)
+                elif reduce_op not in ("avg", "max", "min"):
+                    local = p._partition_value(local, mesh, axis)
         d._local_tensor.copy_(local)
     outs = out if isinstance(out, tuple) else (out,)
     wrapped = []
