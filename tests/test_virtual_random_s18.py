@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import TORCH_VERSION
 
 
 def _loss(p, x):
@@ -91,6 +92,7 @@ def test_rank_generators_are_made_once_per_mesh() -> None:
     assert len(random_fills._GENERATORS) == held
 
 
+@pytest.mark.skipif(TORCH_VERSION < (2, 12), reason="torch 2.11 has no randint_like overload taking a generator")
 def test_randint_like_draws_as_one_device() -> None:
     # randint_like(x, low, high) is the `low_dtype` overload, whose generator overload is `low_generator_dtype`
     x = torch.zeros(4, 8)
