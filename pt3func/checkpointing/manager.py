@@ -209,7 +209,8 @@ class CheckpointManager:
     def _prepare(self) -> str:
         """Rank 0, no save in flight: make the directory, delete what crashed saves left; the new save's token."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        mf.recover(self.directory)  # before the clean-up: a crashed re-save may have left the only complete copy
+        # No recover() here: `_scan`, run just before in the same save, brought back any complete copy a crashed
+        # re-save left, so what is left to delete is only what crashed saves left unfinished.
         for stale in mf.tmp_dirs(self.directory):
             mf.remove(stale)
         return uuid.uuid4().hex
