@@ -10,6 +10,7 @@ import threading
 import weakref
 from contextvars import ContextVar
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -169,6 +170,15 @@ def _backend_for(device_type: str | None) -> str:
     return "nccl"
 
 
+def _as_timedelta(timeout: Any) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise ShardingError(f"make_mesh: timeout must be a datetime.timedelta or a number of seconds > 0, got "
+                        f"{timeout!r}")
+
+
 def _ensure_world(timeout: timedelta | None, device_type: str | None = None) -> None:
     """Start the default process group if nobody has: from torchrun variables, else a world of one.
 
@@ -220,7 +230,7 @@ def make_mesh(
     *,
     device_type: str | None = None,
     virtual: bool = False,
-    timeout: timedelta | None = None,
+    timeout: timedelta | float | None = None,
 ) -> Mesh:
     """A mesh of `shape` with named axes over the torch.distributed world.
 
@@ -232,8 +242,10 @@ def make_mesh(
     finished a job (None: no bound); an error on one rank stops the others at once either way. The mesh must cover
     the world exactly. Collective: every rank calls it with the same arguments. Calling it again with the same
     arguments returns the same `Mesh`.
-    `axis_names` is a tuple of names, one per axis; a single str names the one axis of a 1-D mesh.
+    `axis_names` is a tuple of names, one per axis; a single str names the one axis of a 1-D mesh. `timeout` is
+    a `timedelta` or a number of seconds.
     """
+    timeout = _as_timedelta(timeout)
     shape = tuple(int(s) for s in shape)
     axis_names = _axis_name_tuple(shape, axis_names)
     if len(shape) != len(axis_names):

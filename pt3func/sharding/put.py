@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pt3func.errors import ShardingError
 from pt3func.sharding.mesh import Mesh, get_mesh, mesh_of
@@ -125,15 +129,22 @@ def device_put(tree: PyTree, shardings: PyTree = None) -> PyTree:
     return optree.tree_unflatten(treedef, out)
 
 
-def make_array_from_process_local_data(sharding: Sharding, local_data: torch.Tensor) -> DTensor:
+def make_array_from_process_local_data(
+    sharding: Sharding, local_data: torch.Tensor, global_shape: Sequence[int] | None = None
+) -> DTensor:
     """The global array whose block on this process is `local_data` (jax.make_array_from_process_local_data).
 
     For per-rank data in a world of processes (each rank loading its own rows, the DDP habit): every rank
     passes its own block of the array `sharding` describes (a `NamedSharding`, or a `P` on the current mesh);
-    ranks whose mesh coordinates give the same block pass the same values. The global shape is the block's
-    times the sizes of the axes that split each dim. No communication. A plain tensor given to a sharded step
-    is instead the global value, the same on every rank. On a virtual mesh all ranks are this one process:
+    ranks whose mesh coordinates give the same block pass the same values. A plain tensor given to a sharded
+    step is instead the global value, the same on every rank. On a virtual mesh all ranks are this one process:
     use `pf.device_put` with the global value.
+
+    The global shape is the block's times the sizes of the axes that split each dim: every rank's block must
+    have the same shape (a mesh axis that does not divide a dim is refused, as everywhere in pt3func). One small
+    all-gather of the ranks' block shapes checks that: ranks whose blocks differ (a smaller last batch on one
+    rank) would otherwise each build a different global array and train on wrong numbers. Given `global_shape`
+    (as JAX takes it), each rank checks its own block against it instead: no communication.
     """
     if not isinstance(local_data, torch.Tensor) or isinstance(local_data, DTensor):
         raise ShardingError(f"make_array_from_process_local_data: local_data must be a plain tensor, got "
@@ -150,14 +161,51 @@ def make_array_from_process_local_data(sharding: Sharding, local_data: torch.Ten
     if len(spec) > local_data.ndim:
         raise ShardingError(f"make_array_from_process_local_data: spec {spec} has {len(spec)} entries but the "
                             f"local block has shape {tuple(local_data.shape)}")
-    global_shape = list(local_data.shape)
-    for dim, entry in enumerate(spec):
-        if entry is not None:
-            global_shape[dim] *= mesh.axis_size(entry)
-    placements = placements_for(spec, mesh, tuple(global_shape))
-    stride = torch.empty(global_shape, device="meta").stride()
+    if global_shape is None:
+        _check_blocks_agree(local_data)
+        shape = list(local_data.shape)
+        for dim, entry in enumerate(spec):
+            if entry is not None:
+                shape[dim] *= mesh.axis_size(entry)
+    else:
+        shape = _checked_global_shape(global_shape, local_data, spec, mesh)
+    placements = placements_for(spec, mesh, tuple(shape))
+    if global_shape is not None:
+        block = compute_local_shape_and_global_offset(shape, mesh.device_mesh, placements)[0]
+        if tuple(block) != tuple(local_data.shape):
+            raise ShardingError(
+                f"make_array_from_process_local_data: global_shape {tuple(shape)} split by {spec} gives this rank "
+                f"(rank {dist.get_rank() if dist.is_initialized() else 0}) a block of shape {tuple(block)}, but "
+                f"local_data has shape {tuple(local_data.shape)}")
+    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local_data, mesh.device_mesh, placements, run_check=False,
-                              shape=torch.Size(global_shape), stride=stride)
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _checked_global_shape(global_shape: Sequence[int], local_data: torch.Tensor, spec: PartitionSpec,
+                          mesh: Mesh) -> list[int]:
+    try:
+        shape = [operator.index(n) for n in global_shape]
+    except TypeError:
+        raise ShardingError(f"make_array_from_process_local_data: global_shape must be a sequence of ints, got "
+                            f"{global_shape!r}") from None
+    if len(shape) != local_data.ndim or any(n < 0 for n in shape):
+        raise ShardingError(f"make_array_from_process_local_data: global_shape {tuple(shape)} does not fit a local "
+                            f"block of shape {tuple(local_data.shape)} (one size >= 0 per dim)")
+    return shape
+
+
+def _check_blocks_agree(local_data: torch.Tensor) -> None:
+    """Every rank's block has this rank's shape and dtype (what inferring the global shape assumes)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (tuple(local_data.shape), str(local_data.dtype)))
+    if len(set(everyone)) > 1:
+        per_rank = ", ".join(f"rank {r} {shape} {dtype}" for r, (shape, dtype) in enumerate(everyone))
+        raise ShardingError(
+            f"make_array_from_process_local_data: the ranks' blocks differ ({per_rank}), so they would each build "
+            "a different global array; give every rank a block of the same shape (drop the last partial batch)")
 
 
 def device_get(tree: PyTree) -> PyTree:
