@@ -12,7 +12,14 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import FlopCounterMode, bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    bmm_flop,
+    conv_flop_count,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from pt3func.trace.capture import storage_root
 from pt3func.trace.source import node_location
@@ -205,6 +212,32 @@ def _trilinear_flop(
     return 2 * math.prod(max(dims) for dims in zip(*sizes))
 
 
+def _conv_backward_flop(
+    grad_out: Any, x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, transposed: bool,
+    output_padding: Any, groups: int, output_mask: Sequence[bool], *args: Any, **kwargs: Any,
+) -> int:
+    """`convolution_backward`: the input gradient as a convolution of the output gradient with the weight, the
+    weight gradient as one of the input with the output gradient, each as many FLOPs as the forward.
+
+    Groups: `w` holds in_channels / groups (out_channels / groups when transposed) per output, which the input
+    gradient's count reads from `w` as the forward's does; the weight gradient's (torch's formula, as of 2.13) counts
+    every channel of the input against every one of the output gradient, `groups` times the true count (64 times
+    over for a 64-channel depthwise conv, ConvNeXt's): divided by `groups` here."""
+
+    def t(shape: Any) -> list[int]:  # batch and channel dims swapped: the weight gradient's convolution
+        return [shape[1], shape[0], *shape[2:]]
+
+    flop = 0
+    if output_mask[0]:
+        flop += conv_flop_count(list(grad_out), list(w), list(x), transposed=not transposed)
+    if output_mask[1]:
+        if transposed:
+            flop += conv_flop_count(t(grad_out), t(x), t(w), transposed=False) // groups
+        else:
+            flop += conv_flop_count(t(x), t(grad_out), t(w), transposed=False) // groups
+    return flop
+
+
 def _shapes(formula: Callable[..., int]) -> Callable[..., int]:
     """`formula` over shapes, callable with the op's values and `out_val` (torch's registry convention). Marked raw,
     so FlopCounterMode does not wrap it again (where it did, the shapes would pass through unchanged)."""
@@ -244,22 +277,30 @@ def _extra_flop_formulas() -> dict[Any, Callable[..., int]]:
 
 _EXTRA_FLOPS = _extra_flop_formulas()
 
+# Formulas of pt3func's that replace torch's own (whose count is wrong for some arguments): used by `flops` and by
+# every `flop_formula` caller (the memory-budget planner) alike.
+_OVERRIDES: dict[Any, Callable[..., int]] = {torch.ops.aten.convolution_backward: _shapes(_conv_backward_flop)}
+_FORMULAS = {**_EXTRA_FLOPS, **_OVERRIDES}
+
 
 def flop_formula(target: Any) -> Callable[..., int] | None:
-    """The FLOP formula of an op (torch's, or pt3func's for the ops torch has none for): called with the op's
+    """The FLOP formula of an op (pt3func's where torch has none or a wrong one, else torch's): called with the op's
     argument values and `out_val=`; None for ops counted as 0."""
     packet = getattr(target, "overloadpacket", target)
-    return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    return _OVERRIDES.get(packet) or flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
 
 
 def flops(gm: fx.GraphModule) -> int:
     """FLOPs of one run of `gm`, counted by torch's FlopCounterMode over fake inputs (no real compute), with
-    pt3func's formulas for the ops torch has none for (CPU attention, matrix-vector products, bilinear)."""
+    pt3func's formulas for the ops torch has none for (CPU attention, matrix-vector products, bilinear) or a wrong
+    one for (grouped convolutions' backward)."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(vals)
-    if fake_mode is None:
+    # The trace's fake mode, from any value: a program without tensor inputs (a static size, closure weights) has
+    # none among its placeholders, yet computes.
+    fake_mode = detect_fake_mode(vals) or detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
+    if fake_mode is None:  # no tensor anywhere: nothing computed
         return 0
-    with fake_mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as counter:
+    with fake_mode, FlopCounterMode(display=False, custom_mapping=_FORMULAS) as counter:
         gm(*[v.clone() if isinstance(v, torch.Tensor) else v for v in vals])
     return int(counter.get_total_flops())
 
@@ -317,22 +358,34 @@ def _output_storage(node: fx.Node) -> fx.Node:
     return root
 
 
+def constant_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the program's constants: the tensors a step captured (a closure's model weights, a global), which
+    the program reads from its `get_attr` nodes at every call. They are held for the whole call, as the arguments
+    are (and beyond it: the step's closure keeps them), each storage once."""
+    return held_bytes([n.meta.get("val") for n in gm.graph.nodes if n.op == "get_attr"])
+
+
 def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> dict[str, int]:
-    """Bytes of arguments, outputs, donated (aliased) buffers, temporaries and the peak, by liveness.
+    """Bytes of arguments, constants, outputs, donated (aliased) buffers, temporaries and the peak, by liveness.
 
     This is the program as traced, before a compiler fuses ops away, so it is an upper bound on what a
-    fused (Inductor) program needs; `peak_bytes` counts arguments plus everything live at the worst op.
+    fused (Inductor) program needs; `peak_bytes` counts arguments and constants (captured tensors, resident for the
+    whole call) plus everything live at the worst op.
     """
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = nodes[-1]
     outs = [o for o in output_node.args[0] if isinstance(o, fx.Node)]
     argument_bytes = held_bytes([p.meta.get("val") for p in placeholders])
+    resident_bytes = constant_bytes(gm)
     aliased_bytes = sum(nbytes(placeholders[i].meta.get("val")) for i in aliased_inputs)
     # One buffer returned twice, or with views of it ((y, y[:128], y.t())), is one storage: counted once, as the
-    # compiled program's figure does; an output that is an argument (or a view of one) holds no new memory.
+    # compiled program's figure does; an output that is an argument or a constant (or a view of one) holds no new
+    # memory.
     out_owners = {_output_storage(o) for o in outs}
-    output_bytes = sum(nbytes(o.meta.get("val")) for o in out_owners if o.op != "placeholder") + aliased_bytes
+    output_bytes = (
+        sum(nbytes(o.meta.get("val")) for o in out_owners if o.op not in ("placeholder", "get_attr")) + aliased_bytes
+    )
     last_use: dict[fx.Node, int] = {}
     for idx, node in enumerate(nodes):
         for used in node.all_input_nodes:
@@ -345,20 +398,18 @@ def memory_analysis(gm: fx.GraphModule, aliased_inputs: Sequence[int] = ()) -> d
         if owner.op == "call_function" and owner not in kept:
             frees[idx].append(owner)
     for idx, node in enumerate(nodes):
-        if (
-            node.op in ("call_function", "get_attr")
-            and _owner(node) is node
-            and node.target is not torch.ops.aten.copy_.default
-        ):
+        # (constants are resident from the start: `resident_bytes`, not allocated here)
+        if node.op == "call_function" and _owner(node) is node and node.target is not torch.ops.aten.copy_.default:
             live += nbytes(node.meta.get("val"))
         peak = max(peak, live)
         for dead in frees.get(idx, ()):
             live -= nbytes(dead.meta.get("val"))
-    peak_bytes = argument_bytes + peak
-    temp_bytes = max(peak_bytes - argument_bytes - (output_bytes - aliased_bytes), 0)
+    peak_bytes = argument_bytes + resident_bytes + peak
+    temp_bytes = max(peak - (output_bytes - aliased_bytes), 0)
     return {
         "peak_bytes": peak_bytes,
         "argument_bytes": argument_bytes,
+        "constant_bytes": resident_bytes,
         "output_bytes": output_bytes,
         "aliased_bytes": aliased_bytes,
         "temp_bytes": temp_bytes,
@@ -370,9 +421,10 @@ def compiled_memory_analysis(
 ) -> dict[str, int] | None:
     """`memory_analysis` of the program Inductor generated for `gm` (its Python wrapper `wrapper_source`).
 
-    Arguments are held by the caller for the whole call; on top of them the peak is what the compiled
-    program allocates at its worst point, replayed from its own allocations and frees (see
-    `runtime.inductor_memory`). None when the wrapper cannot be read.
+    Arguments are held by the caller for the whole call, and the constants (captured tensors, which Inductor takes
+    as inputs it never allocates) by the step; on top of them the peak is what the compiled program allocates at
+    its worst point, replayed from its own allocations and frees (see `runtime.inductor_memory`). None when the
+    wrapper cannot be read.
     """
     from pt3func.runtime.inductor_memory import wrapper_memory
 
@@ -383,11 +435,13 @@ def compiled_memory_analysis(
     if replay is None:
         return None
     argument_bytes = held_bytes(vals)
+    resident_bytes = constant_bytes(gm)
     aliased_bytes = sum(nbytes(vals[i]) for i in aliased_inputs)
-    peak_bytes = argument_bytes + replay.peak_bytes
+    peak_bytes = argument_bytes + resident_bytes + replay.peak_bytes
     return {
         "peak_bytes": peak_bytes,
         "argument_bytes": argument_bytes,
+        "constant_bytes": resident_bytes,
         "output_bytes": replay.output_bytes + aliased_bytes,
         "aliased_bytes": aliased_bytes,
         "temp_bytes": max(replay.peak_bytes - replay.output_bytes, 0),

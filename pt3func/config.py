@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -109,10 +110,77 @@ class Config:
             close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(sorted(_FIELDS))}"
             raise AttributeError(f"pf.config has no setting {name!r}{hint}")
-        object.__setattr__(self, name, value)
+        # A wrong value would otherwise be taken as is and fail, or do nothing, only when a program is compiled:
+        # a str for `disabled_passes` matched substrings of pass names.
+        object.__setattr__(self, name, _CHECKS[name](name, value))
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"pf.config.{name} is True or False, got {value!r}")
+    return value
+
+
+def _bytes(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"pf.config.{name} is a number of bytes (an int >= 0) or None, got {value!r}")
+    return value
+
+
+def _choice(*choices: str) -> Any:
+    def check(name: str, value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"pf.config.{name} is one of {', '.join(map(repr, choices))}, got {value!r} (also read "
+                             f"from PT3FUNC_{name.upper()})")
+        return value
+
+    return check
+
+
+# Every pass `disabled_passes` can skip (the functions' names). An unknown name is warned about, not refused: a
+# setting written for another version of pt3func keeps working.
+SKIPPABLE_PASSES = frozenset({
+    "accumulate_in_place", "bucket_gradient_all_reduces", "cast_before_gather", "chunk_cross_entropy",
+    "issue_collectives_early", "keep_backward_in_backward", "order_by_readiness", "reduce_partial_sums", "sink_waits",
+})
+
+
+def _names(name: str, value: Any) -> frozenset[str]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in _iterable(name, value)):
+        raise ValueError(f"pf.config.{name} is a set of names, e.g. {{'sink_waits'}}, got {value!r}")
+    return frozenset(value)
+
+
+def _iterable(name: str, value: Any) -> Any:
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"pf.config.{name} is a set of names, e.g. {{'sink_waits'}}, got {value!r}") from None
+
+
+def _passes(name: str, value: Any) -> frozenset[str]:
+    names = _names(name, value)
+    for unknown in sorted(names - SKIPPABLE_PASSES):
+        close = difflib.get_close_matches(unknown, sorted(SKIPPABLE_PASSES), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"the passes are {', '.join(sorted(SKIPPABLE_PASSES))}"
+        warnings.warn(f"pf.config.{name}: no pass is named {unknown!r} (it skips nothing); {hint}", stacklevel=3)
+    return names
+
+
+def _fence(name: str, value: Any) -> bool | frozenset[str]:
+    return value if isinstance(value, bool) else _names(name, value)
+
+
+_CHECKS: dict[str, Any] = {
+    "explain_cache_misses": _flag, "strict_donation": _flag, "inductor_reorder_for_locality": _flag,
+    "disabled_passes": _passes, "exchange_guard": _choice("auto", "off"),
+    "bucket_collectives": _choice("auto", "on", "off"), "gradient_bucket_bytes": _bytes,
+    "grad_exchange_bucket_bytes": _bytes, "loss_chunk_bytes": _bytes, "fence_backward_ops": _fence,
+}
 _FIELDS = frozenset(f.name for f in fields(Config))
+assert _FIELDS == set(_CHECKS), "every setting has a check"
 
 
 config = Config()

@@ -49,6 +49,7 @@ from pt3func.runtime.donated import is_donated, refuse_inference_donation
 from pt3func.runtime.virtual import VirtualWorld, find_mesh, in_rank_thread, mesh_of_shardings, scatter_tree
 from pt3func.runtime.virtual import call as virtual_call
 from pt3func.sharding.mesh import get_mesh
+from pt3func.sharding.spec import NamedSharding, PartitionSpec
 from pt3func.spmd import lower
 from pt3func.spmd.decompose import decomposing_ops_without_rules
 from pt3func.spmd.overrides import ShardedTraceOverrides
@@ -531,29 +532,39 @@ class Jitted:
         if self._last_seen is _CLEARED:
             log.warning("%s: tracing again because clear_cache() dropped its programs", self.name)
             return
+        from pt3func.trace import signature as sig  # (the explaining helpers: only on this slow path)
+
         old_treedef, old_labels, old_desc, old_key = self._last_seen
         reasons = []
         if old_treedef != treedef:
-            reasons.append(f"the pytree structure of the arguments changed: {old_treedef} -> {treedef}")
+            # By path (`params['w_extra'] added`): two whole treedefs of a model's parameters hide the one key.
+            paths = sig.structure_changes(self._spec, old_treedef, old_key[1], treedef, key[1])
+            reasons.append(f"the pytree structure of the arguments changed: {', '.join(paths[:10])}" if paths
+                           else f"the pytree structure of the arguments changed: {old_treedef} -> {treedef}")
         else:
             for label, a, b in zip(labels, old_desc, descriptions):
                 if a != b:
                     reasons.append(f"{label}: {a} -> {b}")
         if not reasons and old_key[1] != key[1]:
-            reasons.append(f"static arguments changed: {old_key[1]} -> {key[1]}")
+            # Only the static arguments that differ, by parameter name (the whole key held every one, by position).
+            reasons.extend(sig.static_changes(self._spec, old_key[1], key[1])
+                           or [f"static arguments changed: {old_key[1]} -> {key[1]}"])
         if not reasons and old_key[2][-1] != key[2][-1]:
             reasons.append(f"the current mesh (pf.set_mesh), which bare PartitionSpecs (in_shardings, out_shardings, "
                            f"shard_map, with_sharding_constraint) resolve through, changed: {old_key[2][-1][1]} -> "
                            f"{key[2][-1][1]}")
         if not reasons and old_key[2] != key[2]:
-            reasons.append(f"the trace modes (autocast, inference mode, default dtype) or static argument types "
-                           f"changed: {old_key[2]} -> {key[2]}")
+            # A static value of another type that compares equal (`2` -> `2.0`) names its argument.
+            reasons.extend(sig.static_changes(self._spec, old_key[1], key[1])
+                           or [f"the trace modes (autocast, inference mode, default dtype) or static argument types "
+                               f"changed: {old_key[2]} -> {key[2]}"])
         if not reasons and old_key[4] != key[4]:
             was, now = next(((a, b) for a, b in zip(old_key[4], key[4]) if a != b), (old_key[4], key[4]))
             reasons.append(f"the key order or type of a dict among the arguments changed: {was} -> {now}")
         if not reasons and old_key[5] != key[5]:
-            reasons.append(f"the train / eval mode of a module given as a static argument changed: {old_key[5]} -> "
-                           f"{key[5]}")
+            reasons.extend(sig.static_module_mode_changes(self._spec, key[1], old_key[5], key[5])
+                           or [f"the train / eval mode of a module given as a static argument changed: {old_key[5]} "
+                               f"-> {key[5]}"])
         if not reasons and old_key[:6] == key[:6]:
             old_watch, old_modes = old_key[6]
             reasons.append(
@@ -561,6 +572,9 @@ class Jitted:
                 or "nothing in the signature changed since the last trace (arguments, static values, modes and the "
                 "modes of the modules it called are the same), but that trace left no compiled program"
             )
+        if not reasons:
+            # A module leaf (a jitted method's `self`) in the other mode is a mode change, not a new signature leaf.
+            reasons.extend(sig.module_mode_changes(labels, old_key[3], key[3]))
         if not reasons:
             changes = "; ".join(leaf_key_changes(labels, old_key[3], key[3])[:5]) or "none found"
             reasons.append(f"a leaf's signature changed (strides, device, mesh or module instance): {changes}")
@@ -1091,7 +1105,13 @@ def _out_sharding_leaves(out_shardings: Any, out: Any, out_treedef: Any) -> list
         raise ShardingError(
             f"out_shardings {out_shardings!r} does not fit the step's output {skeleton!r}: {exc}"
         ) from None
-    _paths, _leaves, per_leaf, _treedef = broadcast_shardings(out, out_shardings)
+    paths, _leaves, per_leaf, _treedef = broadcast_shardings(out, out_shardings)
+    for path, s in zip(paths, per_leaf):
+        if s is not None and not isinstance(s, (PartitionSpec, NamedSharding)):
+            # A str there was read as a sequence of one-letter axes (P('d', 'p') for "dp").
+            hint = f"; write P({s!r})" if isinstance(s, str) else ""
+            raise ShardingError(f"out_shardings of out{tree.keystr(path)}: a sharding is P(...), pf.NamedSharding or "
+                                f"None, got {type(s).__name__} {s!r}{hint}")
     return [s for s, leaf in zip(per_leaf, _leaves) if leaf is not None]
 
 

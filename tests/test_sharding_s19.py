@@ -59,3 +59,13 @@ def test_make_mesh_takes_a_timeout_in_seconds():
     with pytest.raises(pf.ShardingError, match="timeout must be a datetime.timedelta or a number of seconds > 0, "
                                                "got '30'"):
         pf.make_mesh((2,), ("dp",), virtual=True, timeout="30")
+
+
+def test_out_shardings_refuse_a_string_where_a_spec_belongs():
+    mesh = pf.make_mesh((2,), ("dp",), virtual=True)
+    x = torch.ones(4, 4)
+    with pf.set_mesh(mesh):
+        with pytest.raises(pf.ShardingError, match=r"out_shardings of out: .* got str 'dp'; write P\('dp'\)"):
+            pf.jit(lambda a: a + 1, out_shardings="dp", backend="eager")(x)
+        with pytest.raises(pf.ShardingError, match=r"out_shardings of out\[0\]: .* got str 'dp'"):
+            pf.jit(lambda a: (a + 1, a), out_shardings=("dp", None), backend="eager")(x)

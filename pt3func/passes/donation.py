@@ -56,15 +56,23 @@ def plan_donation(
     """Pair each donated input with a distinct output that can live in its buffer.
 
     `outputs[j]` is None for outputs that are not tensors. `preferred` maps an input index to the output
-    it naturally becomes (input `params['w']` -> output `new_params['w']`); that output is tried first,
-    then the first free output of the same shape, dtype and device (as JAX does).
+    it naturally becomes (input `params['w']` -> output `new_params['w']`); those pairs are made first, for
+    every donated input, then each input left takes the first free output of the same shape, dtype and
+    device (as JAX does). In one pass, an input whose own output no longer fits (a dtype change) took the
+    output another donated input becomes, which then found none: a needless copy, blamed on the wrong leaf.
     """
     plan = DonationPlan()
     taken: set[int] = set()
     preferred = preferred or {}
+    paired: dict[int, int] = {}  # donated input -> its output
     for i in donated:
         j = preferred.get(i)
-        if j is None or j in taken or outputs[j] is None or not _fits(inputs[i], outputs[j]):
+        if j is not None and j not in taken and outputs[j] is not None and _fits(inputs[i], outputs[j]):
+            paired[i] = j
+            taken.add(j)
+    for i in donated:
+        j = paired.get(i)
+        if j is None:
             j = next(
                 (k for k, o in enumerate(outputs) if o is not None and k not in taken and _fits(inputs[i], o)),
                 None,

@@ -13,12 +13,24 @@ DTensor shards the pooling forwards along batch and channels, but has no rule fo
 (sample, channel) plane pools alone, and the indices a max pool saves count within its plane, so the rule here is
 the forward's: every tensor replicated, or every tensor split along the batch (dim 0), or along the channels
 (dim 1, batched inputs only).
+
+DTensor gives an op's output the strides its meta function gives for the *global* inputs as they came, before it
+redistributes them, while the local block is computed from the redistributed inputs. Attention's output follows
+q's layout (`empty_like(query)`): q is usually a transposed view (b, t, h, d) -> (b, h, t, d), and a pending sum
+reduce-scattered onto the batch comes back contiguous, so the DTensor claimed a transposed layout its block did not
+have, and the `reshape` that merges the heads back was taken as a view of it ("Cannot view a tensor with shape
+[1, 6, 4, 4] and strides (96, 4, 24, 1)": a LLaMA with a vocabulary-parallel embedding, whose partial lookup
+reaches q). The attention kernels are therefore dispatched here (`_dispatch_keeping_strides`), as DTensor does,
+but each output's global strides are those its local block implies (as `DTensor.from_local` derives them).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
@@ -108,9 +120,50 @@ def _pool_forward(op_schema: OpSchema) -> OpStrategy:
 
 
 def _registered() -> set:
-    from torch.distributed.tensor import DTensor
-
     return set(DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs)
+
+
+# Attention kernels whose outputs take q's layout in their meta functions (`empty_like(query)`): the CPU kernel and
+# CUDA's flash kernel. The backwards' outputs have a fixed layout, the same for any input.
+_LAYOUT_FOLLOWS_INPUT = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+)
+
+
+def _dispatch_keeping_strides(op_call: Any, args: tuple, kwargs: dict) -> object:
+    """DTensor's dispatch of `op_call` (sharding rule, redistribution of the inputs, the local op), with each
+    output's global strides taken from its local block rather than from the inputs before redistribution."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    if sharding is None or not op_info.compute_mesh._is_current_rank_part_of_mesh():
+        raise NotImplementedError(f"pt3func: {op_call} on a rank outside its mesh")
+    if sharding.needs_redistribute:
+        dispatcher.redistribute_local_args(
+            op_info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
+        )
+    local_args = op_info.local_args
+    if op_info.args_tree_spec is not None:
+        from torch.utils import _pytree as pytree
+
+        local_args = pytree.tree_unflatten(list(local_args), op_info.args_tree_spec)
+    local_results = op_call(*local_args, **op_info.local_kwargs)
+    return dispatcher.wrap(local_results, _with_local_strides(local_results, sharding.output_spec))
+
+
+def _with_local_strides(result: object, spec: Any) -> Any:
+    """`spec` (an output's, or a tuple of them) with the global strides `result`'s local block implies."""
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_with_local_strides(r, s) for r, s in zip(result, spec))
+    if not isinstance(spec, DTensorSpec) or spec.tensor_meta is None or not isinstance(result, torch.Tensor):
+        return spec
+    _, stride = compute_global_tensor_info(result, spec.mesh, list(spec.placements))
+    meta = spec.tensor_meta
+    return spec.shallow_copy_with_tensor_meta(TensorMeta(meta.shape, tuple(stride), meta.dtype))
 
 
 def register_missing_rules() -> None:
@@ -125,6 +178,9 @@ def register_missing_rules() -> None:
     for op, rule, schema_info in rules:
         if op not in have:
             register_op_strategy(op, schema_info=schema_info)(rule)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _LAYOUT_FOLLOWS_INPUT:
+        handlers.setdefault(op, _dispatch_keeping_strides)  # a handler of torch's own (none in 2.13) wins
 
 
 register_missing_rules()

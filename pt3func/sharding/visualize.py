@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,29 +12,62 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import DTensor, Partial
 
-from pt3func._compat import is_plain_shard
+from pt3func._compat import is_plain_shard, is_strided_shard
+from pt3func.errors import ShardingError
 from pt3func.sharding.mesh import mesh_of
 from pt3func.sharding.spec import spec_from_placements
 
-Block = tuple[tuple[int, int], ...]
+# Per tensor dim, the (start, stop) ranges of it a block covers: one range, except across a dim a `_StridedShard`
+# splits (an eager reshape of a 2-D split array), where a rank holds every split_factor-th piece. A dim whose strided
+# positions could not be read is `((-1, size, k),)`: `size` elements, the k-th block of the ranks splitting it.
+Runs = tuple[tuple[int, ...], ...]
+Block = tuple[Runs, ...]
 
 
 def _blocks(x: DTensor) -> dict[Block, list[int]]:
-    """Every distinct block (a (start, stop) range per dim) and the ranks that hold it."""
-    mesh = x.device_mesh
+    """Every distinct block and the ranks that hold it, as DTensor lays `x` out: its own local shape and offset per
+    mesh coordinate (uneven splits as torch.chunk makes them: 5 rows over 2 ranks are 3 and 2, the last ranks'
+    possibly empty), and for a dim a `_StridedShard` splits, the indices its own split takes."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh_shape = tuple(x.device_mesh.mesh.shape)
     shape = tuple(x.shape)
-    split_by = [[m for m, p in enumerate(x.placements) if is_plain_shard(p) and p.dim == d] for d in range(len(shape))]
+    strided_dims = {p.dim for p in x.placements if is_strided_shard(p)}
     held: dict[Block, list[int]] = {}
-    for coord in itertools.product(*(range(n) for n in mesh.mesh.shape)):
-        block = []
-        for size, mesh_dims in zip(shape, split_by):
-            index, count = 0, 1
-            for m in mesh_dims:  # row-major over the splitting axes, outer axis first (DTensor's order)
-                index, count = index * mesh.mesh.shape[m] + coord[m], count * mesh.mesh.shape[m]
-            chunk = size // count
-            block.append((index * chunk, (index + 1) * chunk))
-        held.setdefault(tuple(block), []).append(int(mesh.mesh[coord]))
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        # (global shape, mesh shape, this coordinate, placements): the same four first arguments in torch 2.11 and 2.13
+        size, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), x.placements)
+        block = tuple(
+            _strided_runs(x, mesh_shape, coord, d, int(size[d]), int(offset[d])) if d in strided_dims
+            else ((int(offset[d]), int(offset[d]) + int(size[d])),)
+            for d in range(len(shape))
+        )
+        held.setdefault(block, []).append(int(x.device_mesh.mesh[coord]))
     return held
+
+
+def _strided_runs(x: DTensor, mesh_shape: tuple[int, ...], coord: tuple[int, ...], dim: int, size: int,
+                  offset: int) -> Runs:
+    """The ranges of `dim` that the rank at `coord` holds: an index vector split by each placement of the dim in mesh
+    order, with the placement's own split (what `distribute_tensor` applies), checked against DTensor's local size
+    and first offset. Where the two disagree (another torch's layout rules), the block is named, not located."""
+    index = torch.arange(x.shape[dim]).reshape((1,) * dim + (-1,))
+    k = 0
+    for mesh_dim, placement in enumerate(x.placements):
+        if getattr(placement, "dim", None) != dim or not (is_plain_shard(placement) or is_strided_shard(placement)):
+            continue
+        index = placement._split_tensor(index, mesh_shape[mesh_dim], with_padding=False)[0][coord[mesh_dim]]
+        k = k * mesh_shape[mesh_dim] + coord[mesh_dim]
+    flat = index.flatten().tolist()
+    if len(flat) != size or (flat and flat[0] != offset):
+        return ((-1, size, k),)
+    runs: list[tuple[int, int]] = []
+    for i in flat:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return tuple(runs) or ((offset, offset),)
 
 
 def _grid_key(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -44,8 +78,20 @@ def _grid_key(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
     return (block[0], block[1]) if block else (whole, whole)
 
 
+def _runs_text(runs: Runs) -> str:
+    """`0:4` for one range; `{0:2, 4:6, 8:10}` for a strided dim's (the first and last two past 6 of them)."""
+    if len(runs[0]) == 3:
+        return f"strided: {runs[0][1]} elements (block {runs[0][2]})"
+    texts = [f"{run[0]}:{run[1]}" for run in runs]
+    if len(texts) == 1:
+        return texts[0]
+    if len(texts) > 6:
+        texts = [*texts[:2], f"... {len(texts) - 4} more ...", *texts[-2:]]
+    return "{" + ", ".join(texts) + "}"
+
+
 def _range_text(block: Block) -> str:
-    return "[" + ", ".join(f"{start}:{stop}" for start, stop in block) + "]"
+    return "[" + ", ".join(_runs_text(runs) for runs in block) + "]"
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -66,14 +112,19 @@ def visualize_sharding(x: torch.Tensor, *, width: int = 100) -> str:
         held = _blocks(x)
         mesh = mesh_of(x.device_mesh)
         partial = [name for name, p in zip(mesh.axis_names, x.placements) if isinstance(p, Partial)]
+        strided = [name for name, p in zip(mesh.axis_names, x.placements) if is_strided_shard(p)]
         if partial:
             title = (f"{tuple(x.shape)} {tuple(x.placements)} on {mesh!r}\n"
                      f"(pending sum over {', '.join(partial)}: each rank holds a partial value)")
+        elif strided:
+            title = (f"{tuple(x.shape)} {tuple(x.placements)} on {mesh!r}\n"
+                     f"(strided over {', '.join(strided)}: a rank's block is several ranges of a dim; no PartitionSpec "
+                     f"expresses this layout)")
         else:
-            title = f"{tuple(x.shape)} {spec_from_placements(x.placements, mesh, x.ndim)} on {mesh!r}"
+            title = f"{tuple(x.shape)} {_spec_text(x, mesh)} on {mesh!r}"
     else:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        held = {tuple((0, n) for n in x.shape): list(range(world))}
+        held = {tuple(((0, n),) for n in x.shape): list(range(world))}
         title = f"{tuple(x.shape)} plain tensor (not sharded)"
     rows = sorted({_grid_key(block)[0] for block in held})
     cols = sorted({_grid_key(block)[1] for block in held})
@@ -97,3 +148,11 @@ def visualize_sharding(x: torch.Tensor, *, width: int = 100) -> str:
         console.print(title, markup=False, highlight=False)
         console.print(table)
     return buffer.getvalue()
+
+
+def _spec_text(x: DTensor, mesh: Any) -> str:
+    """The PartitionSpec of `x`, or its placements where none expresses them (a placement torch adds later)."""
+    try:
+        return repr(spec_from_placements(x.placements, mesh, x.ndim))
+    except ShardingError:
+        return repr(tuple(x.placements))

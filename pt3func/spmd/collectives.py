@@ -265,23 +265,28 @@ def psum(x: PyTree, axis_name: AxisNames) -> PyTree:
     """Sum of each leaf of `x` over the ranks of the axis (or axes); every rank gets the sum. Bools are counted
     (int32, as in JAX). A Python number is summed as a 0-d tensor (JAX's `psum(1, axis)` is a constant: here a
     number may be this rank's own, `axis_index`); for the number of ranks use `axis_size`."""
+    return _sum_over(x, axis_name, "psum")
+
+
+def _sum_over(x: PyTree, axis_name: AxisNames, op: str) -> PyTree:
+    """`psum`, under the name of the public collective that asked for it (`op`): what `as_text()` and errors show."""
     axes = _resolve(axis_name, ordered=False)
 
     def one(leaf: Any) -> Any:
         if isinstance(leaf, numbers.Number):
             leaf = _number(leaf)
         if not isinstance(leaf, torch.Tensor):
-            raise ShardingError(f"psum: a leaf is {type(leaf).__name__} {leaf!r}, not a tensor or a number")
-        return _named("psum", _Psum.apply, _summable(leaf), axes)
+            raise ShardingError(f"{op}: a leaf is {type(leaf).__name__} {leaf!r}, not a tensor or a number")
+        return _named(op, _Psum.apply, _summable(leaf), axes)
 
     return tree.map(one, x)
 
 
 def pmean(x: PyTree, axis_name: AxisNames) -> PyTree:
     """Mean of each leaf of `x` over the ranks of the axis (or axes): `psum / axis_size` (bools and integers
-    give floating-point means)."""
+    give floating-point means). Its all-reduce is named `pf.lax.pmean` in `as_text()`."""
     size = axis_size(axis_name)
-    return tree.map(lambda leaf: leaf / size, psum(x, axis_name))
+    return tree.map(lambda leaf: leaf / size, _sum_over(x, axis_name, "pmean"))
 
 
 def all_gather(x: PyTree, axis_name: AxisNames, *, axis: int = 0, tiled: bool = True) -> PyTree:

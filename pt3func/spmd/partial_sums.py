@@ -23,6 +23,14 @@ pad row and dropped a real one, a wrong loss with no error. Strategies that woul
 set aside while another remains (the all-reduce, i.e. Replicate), as pt3func's own `device_put` refuses uneven
 splits. That is a matter of correctness, not of layout, so it holds with "reduce_partial_sums" disabled too.
 
+A matrix product of a pending sum and a split operand (a weight split by tensor parallelism) reduces the pending
+sum and keeps the split operand as it is (`mm`, `addmm`, `bmm`, `baddbmm`). DTensor's cost model gathered the weight
+whole instead: behind a vocabulary-parallel head the gradient of the head's input is a pending sum, stays pending
+through the final norm's backward and every residual addition, and each block's backward gathered its row-parallel
+weights (and reduce-scattered their gradients) to multiply it. Megatron all-reduces that gradient instead; here
+each product that reads it reduces it, which moves activations (batch x features) rather than weights, and leaves
+every weight and its gradient split. Off with "reduce_partial_sums" too.
+
 Applied only inside `reducing_partial_sums()` (pt3func's sharded traces), per thread: DTensor used eagerly
 elsewhere in the process keeps its own choices (DTensor does not cache its choices while tracing).
 """
@@ -41,6 +49,7 @@ from pt3func.config import config
 
 aten = torch.ops.aten
 _ADDITIONS = frozenset({aten.add.Tensor, aten.sub.Tensor})
+_PRODUCTS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 _state = threading.local()
 
 
@@ -70,6 +79,10 @@ def _select(original: Any, strategy: Any, op_schema: Any = None) -> Any:
     even = [spec for spec in strategy.strategies if not _splits_an_operand_unevenly(spec, op_schema)]
     if even and len(even) < len(strategy.strategies):
         strategy = type(strategy)(even)
+    if getattr(_state, "additions", False) and op_schema.op in _PRODUCTS and _meets_a_split_operand(op_schema):
+        kept = [spec for spec in strategy.strategies if _reduces_into_whole_operand(spec, op_schema)]
+        if kept and len(kept) < len(strategy.strategies):
+            strategy = type(strategy)(kept)
     if getattr(_state, "additions", False) and op_schema.op in _ADDITIONS and _mixes_partial_and_whole(op_schema):
         if _accumulates_a_gradient(op_schema):
             return _keeping_the_sum_pending(strategy, op_schema) or original(strategy, op_schema)
@@ -138,6 +151,13 @@ def _accumulates_a_gradient(op_schema: Any) -> bool:
 def _mixes_partial_and_whole(op_schema: Any) -> bool:
     partial = [any(p.is_partial() for p in spec.placements) for spec in op_schema.args_spec]
     return any(partial) and not all(partial)
+
+
+def _meets_a_split_operand(op_schema: Any) -> bool:
+    """A pending sum beside an operand split along some mesh axis (and pending on none)."""
+    placements = [spec.placements for spec in op_schema.args_spec]
+    return any(any(p.is_partial() for p in ps) for ps in placements) and \
+        any(any(p.is_shard() for p in ps) and not any(p.is_partial() for p in ps) for ps in placements)
 
 
 def _desired(spec: Any, op_schema: Any) -> list:

@@ -66,7 +66,8 @@ def lookup(
         local_padding = padding - first if first <= padding < first + rows else None
     looked_up = F.embedding(torch.where(inside, local - first, 0), table, padding_idx=local_padding)
     looked_up = looked_up * inside.unsqueeze(-1).to(looked_up.dtype)
-    return DTensor.from_local(looked_up, mesh, out_placements, run_check=False)
+    partial = DTensor.from_local(looked_up, mesh, out_placements, run_check=False)
+    return partial.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in out_placements])
 
 
 def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:

@@ -81,6 +81,7 @@ class ArgSpec:
     # them), so it is part of the jit signature.
     var_keyword: bool = True
     name: str = ""  # the function's short name, for errors
+    varargs: str = ""  # the name of its *args parameter, if any: leaves past the named positions are labelled by it
 
     @classmethod
     def build(
@@ -99,6 +100,7 @@ class ArgSpec:
             p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         ]
         var_positional = every is None or any(p.kind == p.VAR_POSITIONAL for p in every)
+        varargs = next((p.name for p in every or () if p.kind == p.VAR_POSITIONAL), "")
         var_keyword = every is None or any(p.kind == p.VAR_KEYWORD for p in every)
         names = tuple(p.name for p in params) if params is not None else ()
         positional = [p.name for p in params if p.kind != p.KEYWORD_ONLY] if params is not None else []
@@ -133,13 +135,18 @@ class ArgSpec:
             raise ValueError(f"arguments {sorted(map(str, both))} cannot be both static and donated")
         return cls(
             frozenset(s_nums), frozenset(s_names), frozenset(d_nums), frozenset(d_names), tuple(positional),
-            var_keyword, short,
+            var_keyword, short, varargs,
         )
 
     def arg_label(self, where: Any) -> str:
-        """`params` for positional 0 of `train_step(params, ...)`, else `args[0]` / the keyword."""
+        """`params` for positional 0 of `train_step(params, ...)`, `rest[1]` for positional 2 of `f(x, *rest)`,
+        else `args[0]` (no signature to tell) / the keyword."""
         if isinstance(where, int):
-            return self.param_names[where] if where < len(self.param_names) else f"args[{where}]"
+            if where < len(self.param_names):
+                return self.param_names[where]
+            if self.varargs:
+                return f"{self.varargs}[{where - len(self.param_names)}]"
+            return f"args[{where}]"
         return str(where)
 
 
@@ -362,6 +369,163 @@ def leaf_key_changes(labels: list[str], old: tuple, new: tuple) -> list[str]:
                 before, after = describe_key(a, strides=True), describe_key(b, strides=True)
             changes.append(f"{label}: {before} -> {after}" + (" on another mesh" if before == after else ""))
     return changes
+
+
+def module_mode_changes(labels: list[str], old: tuple, new: tuple) -> list[str]:
+    """`the train / eval mode of module self (Net at 0x..) changed: train -> eval` for each module leaf (a jitted
+    method's `self`) that is the same module in another mode: a mode change, not a new instance."""
+    changes = []
+    for label, a, b in zip(labels, old, new):
+        if (type(a) is tuple and type(b) is tuple and len(a) == len(b) == 3 and a[0] == b[0] == "static"
+                and type(a[1]) is ModuleKey and a[1] == b[1] and a[2] != b[2]):
+            changes.append(f"the train / eval mode of module {label} ({b[1].describe()}) changed: "
+                           f"{_mode_word(a[2])} -> {_mode_word(b[2])}")
+    return changes
+
+
+def _mode_word(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+def _statics(spec: ArgSpec, static: tuple) -> dict[str, Any]:
+    """A static key's values (`static_key`) by parameter name."""
+    static_pos, static_kw = static
+    return {**{spec.arg_label(i): v for i, v in static_pos}, **dict(static_kw)}
+
+
+def _short_repr(value: Any) -> str:
+    """A static value in a log line: a module as its own repr where that is one short line (`ReLU()`), by type and
+    address otherwise (a network's repr is its whole architecture); any value cut at 80 characters."""
+    if type(value) is ModuleKey:
+        module = value.module()
+        text = repr(module) if module is not None else ""
+        if not text or "\n" in text or len(text) > 80:
+            return value.describe()
+        return text
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_name(value: Any) -> str:
+    return value._type.__name__ if type(value) is ModuleKey else type(value).__name__
+
+
+def static_changes(spec: ArgSpec, old: tuple, new: tuple) -> list[str]:
+    """The static arguments that differ between two static keys (`static_key`), by parameter name: `static
+    argument num_layers changed: 2 -> 3`; an equal-looking value that is another object (a new `nn.ReLU()`, an
+    object without `__eq__`) is named as such, and a value of another type (`2` -> `2.0`) with its types."""
+    before, after = _statics(spec, old), _statics(spec, new)
+    changes = [f"static argument {label} now passed: {_short_repr(after[label])}" for label in after
+               if label not in before]
+    changes += [f"static argument {label} no longer passed" for label in before if label not in after]
+    for label in [k for k in after if k in before]:
+        a, b = before[label], after[label]
+        try:
+            same = type(a) is type(b) and bool(a == b)
+        except Exception:  # noqa: BLE001 (an `==` that is no bool: the values decide nothing here)
+            same = a is b
+        if same:
+            continue
+        was, now = _short_repr(a), _short_repr(b)
+        if was == now and _type_name(a) == _type_name(b):
+            hint = ("a module is keyed by identity: pass the same object" if type(b) is ModuleKey
+                    else "the two are not ==: pass the same object, or give the class __eq__ and __hash__")
+            changes.append(f"static argument {label} changed: another instance of {_type_name(b)} (equal repr "
+                           f"{now}); {hint}")
+        elif _type_name(a) != _type_name(b):
+            changes.append(f"static argument {label} changed: {_type_name(a)} {was} -> {_type_name(b)} {now}")
+        else:
+            changes.append(f"static argument {label} changed: {was} -> {now}")
+    return changes
+
+
+def static_module_mode_changes(spec: ArgSpec, static: tuple, old: tuple, new: tuple) -> list[str]:
+    """Which module given as a static argument changed mode, from two `static_module_modes` of one static key."""
+    names = [label for label, v in _statics(spec, static).items() if type(v) is ModuleKey]
+    return [f"the train / eval mode of module {name} (a static argument) changed: {_mode_word(a)} -> {_mode_word(b)}"
+            for name, a, b in zip(names, old, new) if a != b]
+
+
+_LEAF = object()  # a leaf in the skeleton of a call's structure (`structure_changes`)
+
+
+def structure_changes(spec: ArgSpec, old_treedef: Any, old_static: tuple, treedef: Any, static: tuple) -> list[str]:
+    """Where two calls' argument structures differ, by path: `params['w_extra'] added`, `batch[2] removed`,
+    `params['w3']: a leaf -> a tuple of 1`, `argument mask now passed`. [] where no path tells (the caller
+    then shows the treedefs)."""
+    before, after = _arguments(spec, old_treedef, old_static), _arguments(spec, treedef, static)
+    changes = [f"argument {label} now passed" for label in after if label not in before]
+    changes += [f"argument {label} no longer passed" for label in before if label not in after]
+    for label in [k for k in after if k in before]:
+        _subtree_changes(label, before[label], after[label], changes)
+    return changes
+
+
+def _arguments(spec: ArgSpec, treedef: Any, static: tuple) -> dict[str, Any]:
+    """Each dynamic argument of a call structure by its label, as a skeleton with `_LEAF` for every leaf."""
+    dyn_args, dyn_kwargs = tree.unflatten(treedef, [_LEAF] * treedef.num_leaves)
+    static_idx = {i for i, _ in static[0]}
+    positions = [i for i in range(len(dyn_args) + len(static_idx)) if i not in static_idx]
+    return {**{spec.arg_label(pos): sub for pos, sub in zip(positions, dyn_args)}, **dyn_kwargs}
+
+
+def _subtree_changes(label: str, a: Any, b: Any, out: list[str]) -> None:
+    if a is _LEAF and b is _LEAF:
+        return
+    if a is _LEAF or b is _LEAF or type(a) is not type(b):
+        out.append(f"{label}: {_node_text(a)} -> {_node_text(b)}")
+        return
+    if isinstance(a, dict):
+        out.extend(f"{label}[{k!r}] added" for k in b if k not in a)
+        out.extend(f"{label}[{k!r}] removed" for k in a if k not in b)
+        common = [k for k in b if k in a]
+        if not any(k not in a for k in b) and not any(k not in b for k in a) and type(a) is not dict \
+                and list(a) != list(b):  # an OrderedDict's order is part of its structure
+            out.append(f"{label}: key order {list(a)} -> {list(b)}")
+        for k in common:
+            _subtree_changes(f"{label}[{k!r}]", a[k], b[k], out)
+        return
+    if type(a) in (list, tuple):
+        out.extend(f"{label}[{i}] added" for i in range(len(a), len(b)))
+        out.extend(f"{label}[{i}] removed" for i in range(len(b), len(a)))
+        for i, (x, y) in enumerate(zip(a, b)):
+            _subtree_changes(f"{label}[{i}]", x, y, out)
+        return
+    a_children, a_meta, a_entries, _ = _one_level(a)
+    b_children, b_meta, b_entries, _ = _one_level(b)
+    if len(a_children) != len(b_children) or list(a_entries) != list(b_entries) or not _same_meta(a_meta, b_meta):
+        out.append(f"{label}: {_node_text(a)} -> {_node_text(b)}")
+        return
+    for entry, x, y in zip(b_entries, a_children, b_children):
+        _subtree_changes(f"{label}[{entry!r}]", x, y, out)
+
+
+def _one_level(node: Any) -> tuple:
+    import optree
+
+    return optree.tree_flatten_one_level(node, none_is_leaf=False, namespace=tree.NAMESPACE)
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (metadata whose `==` is no bool)
+        return a is b
+
+
+def _node_text(x: Any) -> str:
+    """A skeleton node in words: `a leaf`, `None`, `a dict with keys ['a', 'b']`, `a tuple of 2`."""
+    if x is _LEAF:
+        return "a leaf"
+    if x is None:
+        return "None"
+    if isinstance(x, dict):
+        return f"a {type(x).__name__} with keys {list(x)}"
+    if hasattr(x, "_fields"):
+        return f"a {type(x).__name__} with fields {tuple(x._fields)}"
+    if type(x) in (list, tuple):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
 
 
 def leaf_labels(spec: ArgSpec, treedef: Any, static: tuple) -> list[str]:
