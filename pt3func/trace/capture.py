@@ -6,7 +6,9 @@ the backward that `torch.autograd.grad` runs, the optimizer) and the user's sour
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import io
 import os
 import sys
 import threading
@@ -25,6 +27,7 @@ from pt3func.errors import DataDependentControlFlowError, ImpureFunctionError, T
 from pt3func.trace.source import (
     describe,
     is_stdlib_file,
+    is_third_party_file,
     is_user_file,
     library_frame_in_traceback,
     user_frame_in_stack_trace,
@@ -191,6 +194,34 @@ def _attributes_replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[N
     with _undone_in_forked_child(put_back):
         for owner, name, value in replacements:
             setattr(owner, name, value)
+        yield
+
+
+@contextlib.contextmanager
+def _no_file_io(fn_name: str) -> Iterator[None]:
+    """Make `open()` called by user code inside the step raise (also through pathlib, io, json.load's caller): a trace
+    runs the step's Python once, so the file would be read or written once while tracing, never at later calls."""
+    original = builtins.open
+
+    def guarded(*args: object, **kwargs: object) -> object:
+        if _in_trace():
+            caller = sys._getframe(1)
+            while caller.f_back is not None and is_stdlib_file(caller.f_code.co_filename):
+                caller = caller.f_back  # pathlib's Path.open / read_text, io.open called for the user
+            # Libraries read their own files lazily (networkx its entry points when torch first imports it): only
+            # the user's own code is refused.
+            filename = caller.f_code.co_filename
+            if is_user_file(filename) and not is_third_party_file(filename):
+                target = args[0] if args else kwargs.get("file", "")
+                raise ImpureFunctionError(
+                    f"{describe(caller.f_code.co_filename, caller.f_lineno)}: opening a file ({target!r}) inside "
+                    f"jitted '{fn_name}' is I/O, which a static program cannot do: it would happen once while "
+                    "tracing, never at later calls. Read the file before the step and pass its contents in, or "
+                    "write the step's outputs after it returns."
+                )
+        return original(*args, **kwargs)
+
+    with _attributes_replaced([(builtins, "open", guarded), (io, "open", guarded)]):
         yield
 
 
@@ -583,8 +614,9 @@ def trace(
     try:
         with TRACE_LOCK, _tracing_in_this_thread(fn_name), _no_printing_traced_tensors(fn_name), \
                 _no_reseeding(fn_name), _no_default_dtype_changes(fn_name), _no_backward(fn_name), \
-                _record_user_frames(), _dtensor_bookkeeping_untraced(), _TracedCallRules(fn_name), \
-                _inlining_compiled_functions(), _anomaly_nan_checks_off(fn_name), torch_checkpoint_as_regions():
+                _no_file_io(fn_name), _record_user_frames(), _dtensor_bookkeeping_untraced(), \
+                _TracedCallRules(fn_name), _inlining_compiled_functions(), _anomaly_nan_checks_off(fn_name), \
+                torch_checkpoint_as_regions():
             # Tensors captured from a closure or global are real: they enter the graph as constants (get_attr),
             # read by the program at every call. Without this flag fake mode refused them with an internal error.
             def traced() -> torch.fx.GraphModule:

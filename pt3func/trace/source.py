@@ -31,10 +31,20 @@ _STDLIB_DIRS = _stdlib_dirs()
 _THIRD_PARTY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
+# Code typed into `python -` / an interactive prompt or an IPython terminal: the user's, though not a file.
+_INTERACTIVE = ("<stdin>", "<ipython-input-")
+
+
 def is_stdlib_file(filename: str) -> bool:
     """True for a file of Python's standard library (`pprint.py`, `logging/__init__.py`, `threading.py`)."""
     path = os.path.abspath(filename)
     return path.startswith(_STDLIB_DIRS) and not any(part in path for part in _THIRD_PARTY)
+
+
+def is_third_party_file(filename: str) -> bool:
+    """True for an installed library's file (site-packages, dist-packages): networkx, transformers, ..."""
+    path = os.path.abspath(filename)
+    return any(part in path for part in _THIRD_PARTY)
 
 
 def is_user_file(filename: str) -> bool:
@@ -50,7 +60,9 @@ def _is_user_path(filename: str) -> bool:
 
 def _is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
-    if path.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
+    if filename.startswith(_INTERACTIVE):
+        return True
+    if path.startswith(_LIBRARY_DIRS) or filename.startswith("<"):  # <string>, <frozen ...>, fx's <eval_with_key>
         return False
     # A library installed under the standard library's folder (lib/python3.x/site-packages) is not the stdlib.
     if is_stdlib_file(path):

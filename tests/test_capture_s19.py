@@ -1,0 +1,67 @@
+"""Session 19: file I/O inside a step is refused (API.md: I/O raises), and code typed at a prompt is the user's."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pt3func as pf
+
+
+def test_opening_a_file_inside_a_step_is_refused(tmp_path):
+    target = tmp_path / "log.txt"
+
+    def write(x):
+        with open(target, "w") as f:
+            f.write("once, while tracing")
+        return x + 1
+
+    def read(x):
+        return x + float(target.read_text() or 0)  # pathlib opens it through io.open
+
+    with pytest.raises(pf.ImpureFunctionError, match=r"test_capture_s19.py:\d+ .*opening a file .*log.txt.* "
+                                                     r"inside jitted '.*write' is I/O"):
+        pf.jit(write, backend="eager")(torch.ones(2))
+    assert not target.exists()
+    target.write_text("1")
+    with pytest.raises(pf.ImpureFunctionError, match="inside jitted '.*read' is I/O"):
+        pf.jit(read, backend="eager")(torch.ones(2))
+    assert open(target).read() == "1"  # outside a step, open() is Python's own again
+
+
+def test_a_library_reading_its_own_files_inside_a_step_is_not_refused(tmp_path):
+    # An installed library that reads a file of its own while the step runs (networkx its entry points when torch
+    # first imports it) is not the user doing I/O.
+    package = tmp_path / "site-packages" / "somelib"
+    package.mkdir(parents=True)
+    (package / "data.txt").write_text("2.0")
+    (package / "__init__.py").write_text(
+        "import os\n"
+        "def scale():\n"
+        "    with open(os.path.join(os.path.dirname(__file__), 'data.txt')) as f:\n"
+        "        return float(f.read())\n")
+    spec = importlib.util.spec_from_file_location("somelib", package / "__init__.py")
+    somelib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(somelib)
+    out = pf.jit(lambda x: x * somelib.scale(), backend="eager")(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 2.0))
+
+
+def test_code_typed_at_a_prompt_is_named_in_errors():
+    script = ("import torch, pt3func as pf\n"
+              "def step(x):\n"
+              "    if x.sum() > 0:\n"
+              "        return x\n"
+              "    return x + 1\n"
+              "try:\n"
+              "    pf.jit(step, backend='eager')(torch.ones(2))\n"
+              "except pf.TracingError as e:\n"
+              "    print(str(e).splitlines()[0][:40])\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300,
+                          cwd=pathlib.Path(__file__).parent)
+    assert done.stdout.startswith("<stdin>:3: Python control flow"), (done.stdout, done.stderr[-2000:])
