@@ -65,3 +65,17 @@ def test_code_typed_at_a_prompt_is_named_in_errors():
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300,
                           cwd=pathlib.Path(__file__).parent)
     assert done.stdout.startswith("<stdin>:3: Python control flow"), (done.stdout, done.stderr[-2000:])
+
+
+def _grouped(a, b, offs):
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def test_a_float32_grouped_mm_is_refused_naming_the_line():
+    a, b, offs = torch.randn(8, 16), torch.randn(2, 16, 8), torch.tensor([3, 8], dtype=torch.int32)  # 16-byte strides
+    try:
+        _grouped(a, b, offs)  # runs eagerly on the CPU (torch 2.13); its tracing kernel takes bfloat16 only
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU float32 grouped_mm")
+    with pytest.raises(pf.TracingError, match=r"test_capture_s19.py:\d+ .*_grouped_mm.*bfloat16 only.*batched_mm"):
+        pf.jit(_grouped, backend="eager")(a, b, offs)

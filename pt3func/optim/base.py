@@ -74,12 +74,21 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transformations: the updates of each are the gradients of the next.
 
     Args:
-        *transforms: the transformations, applied in order.
+        *transforms: the transformations, applied in order: `GradientTransformation`s or any objects with `.init`
+            and `.update` methods of that signature (`MultiSteps`, an optax-style class).
 
     Returns:
         A `GradientTransformation` whose state is the tuple of the states of `transforms`.
     """
-    init_fns, update_fns = zip(*transforms, strict=True) if transforms else ((), ())
+    # By attribute, not by unpacking: a class with init/update methods (MultiSteps) is no (init, update) pair.
+    for i, t in enumerate(transforms):
+        if not (callable(getattr(t, "init", None)) and callable(getattr(t, "update", None))):
+            raise TypeError(
+                f"chain: argument {i} is a {type(t).__name__}, not a gradient transformation (an object with "
+                "`init(params)` and `update(updates, state, params)` methods, as pf.optim's optimizers return)"
+            )
+    init_fns = tuple(t.init for t in transforms)
+    update_fns = tuple(t.update for t in transforms)
 
     def init_fn(params):
         return tuple(fn(params) for fn in init_fns)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import numbers
 import operator
 import os
 import queue
@@ -493,8 +494,67 @@ class VirtualArray:
     def item(self) -> Any:
         return self.full().item()
 
+    # Python conversions, as torch's for the global array. Without them `bool(x)` was an object's (always True: `if
+    # ms.has_updated(state):` always taken, `not x` always False) and `int(x)` raised, where every process of a real
+    # world converts its DTensor's value.
+
+    def _scalar(self, convert: Callable[[torch.Tensor], Any]) -> Any:
+        """`convert(full tensor)` (bool, int, float, ...): one element is gathered. An array of any other size gets
+        torch's own error (more than one value, or none) from a meta tensor of its shape, never gathered."""
+        if self.numel() != 1:
+            convert(torch.empty(self.shape, dtype=self.dtype, device="meta"))
+        return convert(self.full())
+
+    def __bool__(self) -> bool:
+        return self._scalar(bool)
+
+    def __int__(self) -> int:
+        return self._scalar(int)
+
+    def __index__(self) -> int:  # integer and bool dtypes only, as torch's
+        return self._scalar(operator.index)
+
     def __float__(self) -> float:
-        return float(self.full())
+        return self._scalar(float)
+
+    def __complex__(self) -> complex:
+        return self._scalar(complex)
+
+    def __format__(self, spec: str) -> str:
+        # As a plain tensor's: a 0-d array formats its number (f"{loss:.4f}"), any other one as an object.
+        if self.ndim == 0:
+            return format(self.item(), spec)
+        return object.__format__(self, spec)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """The gathered array for numpy (`np.asarray(x)`, plotting a list of losses): with `__len__` and
+        `__getitem__` numpy would otherwise build an object array of one virtual array per element."""
+        import numpy as np
+
+        return np.asarray(self.full().detach().cpu().numpy(), dtype=dtype)
+
+    def __len__(self) -> int:
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self) -> Any:
+        # The rows in one job (Python's fallback through __getitem__ costs one per row, and iterates a 0-d array as
+        # empty). By indexing, which a split first dimension allows, where DTensor's own __iter__ (unbind) refuses.
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        return iter(_on_every_rank(lambda value: tuple(value[i] for i in range(value.shape[0])), (self,), {}))
+
+    def __reversed__(self) -> Any:
+        return self if self.ndim == 0 else _on_every_rank(lambda value: value.flip(0), (self,), {})
+
+    def __contains__(self, element: Any) -> bool:
+        # torch's test on the global array: a DTensor's own (`element in x`) answers for its rank's shard only.
+        if not isinstance(element, (torch.Tensor, VirtualArray, numbers.Number)):
+            raise RuntimeError(
+                f"Tensor.__contains__ only supports Tensor or scalar, but you passed in a {type(element)}."
+            )
+        return bool((self == element).any())
 
     def __deepcopy__(self, memo: dict) -> VirtualArray:
         """A copy with each rank's value copied in its own rank thread, on the same mesh (`copy.deepcopy(params)`)."""
@@ -571,10 +631,25 @@ def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda self: _on_every_rank(op, (self,), {})
 
 
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor"):
+def _in_place(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`x += y` as torch's: every rank's value is changed in place and `x` stays the same handle, so another name
+    for the array (a params dict holding it) sees the change; Python's fallback to `x = x + y` rebound `x` only."""
+
+    def apply(self: VirtualArray, other: Any) -> VirtualArray:
+        self.locals = _on_every_rank(op, (self, other), {}).locals  # (the same tensors, changed in place)
+        return self
+
+    return apply
+
+
+_BINARY_OPS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
+               "rshift")
+for _name in _BINARY_OPS:
     _op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
     setattr(VirtualArray, f"__{_name}__", _binary(_op))
     setattr(VirtualArray, f"__r{_name}__", _binary(_op, reflected=True))
+    if _name != "matmul":  # (torch has no in-place matmul: `x @= y` is `x = x @ y`, as for a tensor)
+        setattr(VirtualArray, f"__i{_name}__", _in_place(getattr(operator, f"i{_name}")))
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
     setattr(VirtualArray, f"__{_name}__", _binary(getattr(operator, _name)))
 for _name in ("neg", "pos", "abs", "invert"):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from torch.distributed.tensor import DTensor, Partial
 
 from pt3func._compat import is_plain_shard, is_strided_shard
@@ -19,7 +20,8 @@ from pt3func.sharding.spec import spec_from_placements
 
 # Per tensor dim, the (start, stop) ranges of it a block covers: one range, except across a dim a `_StridedShard`
 # splits (an eager reshape of a 2-D split array), where a rank holds every split_factor-th piece. A dim whose strided
-# positions could not be read is `((-1, size, k),)`: `size` elements, the k-th block of the ranks splitting it.
+# positions could not be read is `((-1, size, k),)`: `size` elements (-1: unknown), the k-th block of the ranks
+# splitting it.
 Runs = tuple[tuple[int, ...], ...]
 Block = tuple[Runs, ...]
 
@@ -35,39 +37,63 @@ def _blocks(x: DTensor) -> dict[Block, list[int]]:
     strided_dims = {p.dim for p in x.placements if is_strided_shard(p)}
     held: dict[Block, list[int]] = {}
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        # (global shape, mesh shape, this coordinate, placements): the same four first arguments in torch 2.11 and 2.13
-        size, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), x.placements)
-        block = tuple(
-            _strided_runs(x, mesh_shape, coord, d, int(size[d]), int(offset[d])) if d in strided_dims
-            else ((int(offset[d]), int(offset[d]) + int(size[d])),)
-            for d in range(len(shape))
-        )
-        held.setdefault(block, []).append(int(x.device_mesh.mesh[coord]))
+        try:
+            # (global shape, mesh shape, coordinate, placements): the same four first arguments in torch 2.11 and
+            # 2.13 (the public function takes this rank's coordinate only)
+            size, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), x.placements)
+        except (RuntimeError, NotImplementedError, AssertionError):  # a torch whose rules refuse a strided layout
+            size = offset = None
+        block = []
+        for d in range(len(shape)):
+            runs = _split_runs(x, mesh_shape, coord, d) if d in strided_dims or size is None else None
+            if size is not None and (runs is None or not _agree(runs, int(size[d]), int(offset[d]))):
+                # DTensor's own range; a strided dim whose split disagrees with it (another torch's rules) is named
+                # by its size and block, not located
+                start, stop = int(offset[d]), int(offset[d]) + int(size[d])
+                runs = ((start, stop),) if d not in strided_dims else ((-1, stop - start, _block_index(x, coord, d)),)
+            block.append(runs or ((-1, -1, _block_index(x, coord, d)),))  # (neither could say: position unknown)
+        held.setdefault(tuple(block), []).append(int(x.device_mesh.mesh[coord]))
     return held
 
 
-def _strided_runs(x: DTensor, mesh_shape: tuple[int, ...], coord: tuple[int, ...], dim: int, size: int,
-                  offset: int) -> Runs:
-    """The ranges of `dim` that the rank at `coord` holds: an index vector split by each placement of the dim in mesh
-    order, with the placement's own split (what `distribute_tensor` applies), checked against DTensor's local size
-    and first offset. Where the two disagree (another torch's layout rules), the block is named, not located."""
-    index = torch.arange(x.shape[dim]).reshape((1,) * dim + (-1,))
+def _splits(x: DTensor, dim: int) -> list[tuple[int, Any]]:
+    """(mesh dim, placement) of each placement that splits `dim`, in mesh order."""
+    return [(m, p) for m, p in enumerate(x.placements)
+            if getattr(p, "dim", None) == dim and (is_plain_shard(p) or is_strided_shard(p))]
+
+
+def _block_index(x: DTensor, coord: tuple[int, ...], dim: int) -> int:
+    """Which block of `dim` the rank at `coord` holds, counting over the mesh dims that split it (outer first)."""
+    mesh_shape = x.device_mesh.mesh.shape
     k = 0
-    for mesh_dim, placement in enumerate(x.placements):
-        if getattr(placement, "dim", None) != dim or not (is_plain_shard(placement) or is_strided_shard(placement)):
-            continue
-        index = placement._split_tensor(index, mesh_shape[mesh_dim], with_padding=False)[0][coord[mesh_dim]]
+    for mesh_dim, _ in _splits(x, dim):
         k = k * mesh_shape[mesh_dim] + coord[mesh_dim]
-    flat = index.flatten().tolist()
-    if len(flat) != size or (flat and flat[0] != offset):
-        return ((-1, size, k),)
+    return k
+
+
+def _split_runs(x: DTensor, mesh_shape: tuple[int, ...], coord: tuple[int, ...], dim: int) -> Runs | None:
+    """The ranges of `dim` that the rank at `coord` holds: an index vector split by each placement of the dim in mesh
+    order, with the placement's own split (what `distribute_tensor` applies); None where a placement cannot split."""
+    index = torch.arange(x.shape[dim]).reshape((1,) * dim + (-1,))
+    try:
+        for mesh_dim, placement in _splits(x, dim):
+            index = placement._split_tensor(index, mesh_shape[mesh_dim], with_padding=False)[0][coord[mesh_dim]]
+    except (AttributeError, TypeError, RuntimeError, IndexError):  # a torch without this private split
+        return None
     runs: list[tuple[int, int]] = []
-    for i in flat:
+    for i in index.flatten().tolist():
         if runs and runs[-1][1] == i:
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
-    return tuple(runs) or ((offset, offset),)
+    return tuple(runs)
+
+
+def _agree(runs: Runs, size: int, offset: int) -> bool:
+    """Whether `runs` hold `size` elements from `offset` on, as DTensor's local shape and offset say."""
+    if sum(stop - start for start, stop in runs) != size:
+        return False
+    return size == 0 or runs[0][0] == offset
 
 
 def _grid_key(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -81,7 +107,8 @@ def _grid_key(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
 def _runs_text(runs: Runs) -> str:
     """`0:4` for one range; `{0:2, 4:6, 8:10}` for a strided dim's (the first and last two past 6 of them)."""
     if len(runs[0]) == 3:
-        return f"strided: {runs[0][1]} elements (block {runs[0][2]})"
+        _, size, block = runs[0]
+        return f"strided: {size} elements, block {block}" if size >= 0 else f"block {block}, position unknown"
     texts = [f"{run[0]}:{run[1]}" for run in runs]
     if len(texts) == 1:
         return texts[0]
@@ -138,7 +165,8 @@ def visualize_sharding(x: torch.Tensor, *, width: int = 100) -> str:
     for _ in cols:
         table.add_column(justify="center")
     for r in range(len(rows)):
-        table.add_row(*("\n".join(cells.get((r, c), [])) for c in range(len(cols))))
+        # Text, not markup: `[strided: 8 elements, block 0]` would read as a rich tag and vanish.
+        table.add_row(*(Text("\n".join(cells.get((r, c), [])), justify="center") for c in range(len(cols))))
     buffer = io.StringIO()
     # force_jupyter=False: in a notebook rich would display this buffer console too (and leave it empty).
     consoles = [Console(file=buffer, width=width, color_system=None, force_jupyter=False)]

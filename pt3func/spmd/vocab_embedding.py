@@ -5,7 +5,10 @@ placement object; in a traced whole step that state is gone by the time the back
 fails deep in DTensor (`AssertionError` in `_MaskPartial._reduce_value`; pytorch/pytorch#130725, #160697). While a
 sharded step is traced, pt3func computes these lookups itself, Megatron's way: each rank looks up the indices that
 fall in its own rows (the others read row 0 and are zeroed), and the result is a partial sum over the axes that
-split the rows, which DTensor reduces where it is next used (one all-reduce, as DTensor's own rule would). The
+split the rows, reduced right away as Megatron's VocabParallelEmbedding does: one all-reduce (a reduce-scatter back
+onto the batch over an axis that also split the indices). Left pending for DTensor to reduce where it is next used,
+the sum went on through a LLaMA's RMSNorm (linear in it once its scale is reduced) into the column-parallel q/k/v
+projections, and DTensor gathered their weights whole to multiply it, then reduced it in each of them. The
 backward is the local lookup's: each rank's gradient lands in its own rows only. Lookups DTensor handles well
 (replicated tables, tables split on the embedding dim) and options this lowering does not cover (`max_norm`,
 which writes the table; `scale_grad_by_freq` and `sparse`) are left to DTensor.
@@ -34,6 +37,7 @@ def lookup(
     mesh = weight.device_mesh
     if not isinstance(indices, DTensor):
         indices = DTensor.from_local(indices, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    given = tuple(indices.placements)
     # Every rank needs all the indices of its batch block: replicate them over the axes that split the rows.
     wanted = [Replicate() if d in row_dims else p for d, p in enumerate(indices.placements)]
     if any(isinstance(p, Partial) for p in wanted):
@@ -67,7 +71,14 @@ def lookup(
     looked_up = F.embedding(torch.where(inside, local - first, 0), table, padding_idx=local_padding)
     looked_up = looked_up * inside.unsqueeze(-1).to(looked_up.dtype)
     partial = DTensor.from_local(looked_up, mesh, out_placements, run_check=False)
-    return partial.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in out_placements])
+    return partial.redistribute(mesh, _reduced(out_placements, given))
+
+
+def _reduced(out_placements: list, given: tuple) -> list:
+    """Where the lookup's partial sums go: split again like the indices came over an axis that split them (a
+    reduce-scatter back onto their dim: the batch stays split), whole over the others (an all-reduce)."""
+    return [(given[d] if is_plain_shard(given[d]) else Replicate()) if isinstance(p, Partial) else p
+            for d, p in enumerate(out_placements)]
 
 
 def _first_row(n_rows: int, mesh: Any, row_dims: list[int]) -> int:
@@ -98,9 +109,10 @@ def index_as_lookup(args: tuple, kwargs: dict) -> torch.Tensor | None:
     if split_table and table.ndim != 2:
         return None  # the lookup needs a 2-D table; reshaping a split one would move its blocks
     if split_table and any(is_plain_shard(p) and p.dim == 0 for p in table.placements):
-        # Rows split (FSDP's layout): gathered first, as FSDP gathers a parameter for its use. `lookup`'s partial
-        # sum would be reduced as DTensor picks, on torch 2.11 a reduce-scatter along the sequence that its view
-        # rules then cannot flatten for the next `F.linear`; the gathered lookup stays split like the batch.
+        # Rows split (FSDP's layout): gathered first, as FSDP gathers a parameter for its use, rather than
+        # `lookup`'s gathering every rank's indices and reducing every rank's rows; the lookup stays split like the
+        # batch. (`lookup`'s pending sum, once reduced where DTensor picked, on torch 2.11 a reduce-scatter along
+        # the sequence that its view rules then could not flatten for the next `F.linear`.)
         whole_rows = [Replicate() if is_plain_shard(p) and p.dim == 0 else p for p in table.placements]
         table = table.redistribute(table.device_mesh, whole_rows)
     n = table.shape[0]

@@ -638,6 +638,7 @@ def trace(
             "spelling of the op (torch.randint(low, high, shape) for random_(low, high))."
         ) from None
     except Exception as exc:
+        _refuse_fake_kernel_gaps(exc, fn_name)
         if not _is_data_dependent(exc):
             raise
         frame = user_frame_in_traceback(exc.__traceback__)
@@ -661,6 +662,25 @@ def trace(
     gm.recompile()
     check_static(gm, fn_name)
     return gm
+
+
+def _refuse_fake_kernel_gaps(exc: BaseException, fn_name: str) -> None:
+    """Raise a TracingError naming the user's line for an op whose tracing (meta) kernel refuses what its real
+    kernel runs; torch's own message points nowhere near the step."""
+    text = str(exc)
+    if not (isinstance(exc, RuntimeError) and "Expected inputs of BF16 type" in text):
+        return
+    # aten._grouped_mm's meta kernel follows the CUDA kernel (bfloat16 only); the CPU kernel runs float32 too, so a
+    # step that runs eagerly fails to trace (Hugging Face's MoE experts, `experts_implementation="grouped_mm"`).
+    frame = user_frame_in_traceback(exc.__traceback__)
+    inner = library_frame_in_traceback(exc.__traceback__)
+    where = describe(*frame) if frame else f"in '{fn_name}'"
+    inside = f" (inside {describe(*inner)})" if inner else ""
+    raise TracingError(
+        f"{where}{inside}: torch cannot trace aten._grouped_mm on this dtype: its tracing kernel takes bfloat16 "
+        f"only, though the CPU kernel runs it eagerly ({text.splitlines()[0][:160]}). Run those matmuls in "
+        "bfloat16, or another way (a Hugging Face MoE model: config._experts_implementation = 'batched_mm')."
+    ) from None
 
 
 _warned_anomaly = False
