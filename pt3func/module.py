@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,8 +115,9 @@ class Apply:
         """Run the module's forward on `params`; buffer updates the forward makes are dropped."""
         ordered, _, _, _ = self._ordered_leaves(params)
         named = self._named(ordered)
-        with _module_state_kept(self.module):
-            return functional_call(self.module, named, args, kwargs, tie_weights=False)
+        module = self._module_of_this_thread()
+        with _module_state_kept(module):
+            return functional_call(module, named, args, kwargs, tie_weights=False)
 
     def partition(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """`(trainable, frozen)`: `params` split into two nested dicts, the parameters that had
@@ -151,8 +154,9 @@ class Apply:
         named = self._named(ordered)
         # functional_call writes the module's tensors back into `named` when it restores the module, so
         # after the call it holds each buffer's final value: the updated copy, or what forward assigned.
-        with _module_state_kept(self.module):
-            output = functional_call(self.module, named, args, kwargs, tie_weights=False)
+        module = self._module_of_this_thread()
+        with _module_state_kept(module):
+            output = functional_call(module, named, args, kwargs, tie_weights=False)
         for alias, i in self._aliases:
             if named[alias] is not named[self._names[i]]:
                 # eager torch would untie the two names; params holds one tensor for both
@@ -165,6 +169,23 @@ class Apply:
         for i in self._buffer_index:
             new_leaves[i if order is None else order[i]] = named[self._names[i]]
         return output, tree.unflatten(structure, new_leaves)
+
+    def _module_of_this_thread(self) -> nn.Module:
+        """The module the forward runs on: `self.module`, but in a virtual mesh's rank thread running eagerly (pf.grad
+        outside pf.jit), that thread's own shallow copy of it.
+
+        functional_call swaps the call's tensors into the module it runs for the call's length, and the rank threads
+        run at once: on the one module each thread's forward read another rank's DTensors ("inputs with different
+        meshes"), as no process of a real world does. A lock would not do: a forward that runs a collective would
+        wait, holding it, for ranks waiting for the lock. A trace runs on the module itself (traces run one at a
+        time, under the trace lock), and so does every other thread."""
+        if not _eager_in_rank_thread():
+            return self.module
+        copies = _THREAD_COPIES.__dict__.setdefault("by_apply", weakref.WeakKeyDictionary())
+        copy = copies.get(self)
+        if copy is None or not copy.current():
+            copy = copies[self] = _ModuleCopy(self.module)
+        return copy.root
 
     def _ordered_leaves(self, params: Any) -> tuple[list[Any], list[Any], list[int] | None, tree.TreeSpec]:
         """`params`' leaves in this Apply's order and in its own, the map between them, and its structure.
@@ -247,6 +268,72 @@ def _module_state_kept(module: nn.Module) -> Iterator[None]:
             if m._buffers != buffers or any(m._buffers[k] is not v for k, v in buffers.items()):
                 m._buffers.clear()
                 m._buffers.update(buffers)
+
+
+def _eager_in_rank_thread() -> bool:
+    """Whether this is a virtual mesh's rank thread running torch eagerly (not tracing a step)."""
+    from pt3func.runtime import virtual
+
+    if not virtual.VirtualWorld._installed or not virtual.in_rank_thread():
+        return False
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is None and not torch.compiler.is_compiling()
+
+
+# A rank thread's module copies (`_ModuleCopy`), by the Apply that made them: they go with the thread (its virtual
+# mesh) or the Apply, whichever goes first.
+_THREAD_COPIES = threading.local()
+
+# Why: `_ModuleCopy` gives the copy its own containers that functional_call or a forward writes: the tensor dicts,
+# the child modules, and lists (RNN's `_flat_weights`, which its __setattr__ updates in place). The rest (hook
+# dicts, configs) is shared, so a hook registered on the module later is seen.
+_OWN_CONTAINERS = ("_parameters", "_buffers")
+
+
+class _ModuleCopy:
+    """A shallow copy of a module tree for one rank thread: each submodule a new object of its class, whose attributes
+    are the original's but for its own tensor dicts, child modules and lists. Tensors are shared; functional_call
+    swaps the call's ones into the copy only. A submodule used under two names is copied once.
+
+    `current()` is False once an attribute of an original module was set again (`module.train()`/`eval()`, a
+    setting, a replaced child): the copy is then made again, so the copy runs as the module would."""
+
+    def __init__(self, module: nn.Module) -> None:
+        # (original, its attributes, its children) when copied: what `current` compares.
+        self._originals: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+        self.root = self._copy(module, {})
+
+    def _copy(self, module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+        copied = memo.get(id(module))
+        if copied is not None:
+            return copied
+        copied = memo[id(module)] = object.__new__(type(module))
+        # Snapshots (one C call each), read from here on: another thread may run the module meanwhile.
+        attributes, children = dict(module.__dict__), dict(module._modules)
+        self._originals.append((module, attributes, children))
+        state = {
+            key: list(value) if type(value) is list else dict(value) if key in _OWN_CONTAINERS else value
+            for key, value in attributes.items()
+        }
+        state["_modules"] = {
+            name: None if child is None else self._copy(child, memo) for name, child in children.items()
+        }
+        copied.__dict__.update(state)
+        return copied
+
+    def current(self) -> bool:
+        for module, attributes, children in self._originals:
+            now = module.__dict__
+            if len(now) != len(attributes) or any(now.get(k, _MISSING) is not v for k, v in attributes.items()):
+                return False
+            now = module._modules
+            if len(now) != len(children) or any(now.get(k, _MISSING) is not v for k, v in children.items()):
+                return False
+        return True
+
+
+_MISSING = object()
 
 
 def _insert(nest: dict[str, Any], name: str, value: torch.Tensor) -> None:

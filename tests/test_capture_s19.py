@@ -79,3 +79,33 @@ def test_a_float32_grouped_mm_is_refused_naming_the_line():
         pytest.skip("this torch has no CPU float32 grouped_mm")
     with pytest.raises(pf.TracingError, match=r"test_capture_s19.py:\d+ .*_grouped_mm.*bfloat16 only.*batched_mm"):
         pf.jit(_grouped, backend="eager")(a, b, offs)
+
+
+def _ema(teacher, student):
+    torch._foreach_lerp_(list(teacher.values()), list(student.values()), 0.5)  # timm's ModelEmaV3 way
+    return {k: v * 2 for k, v in teacher.items()}
+
+
+def test_foreach_writes_into_inputs_and_captured_tensors_are_refused():
+    student = {"w": torch.ones(4)}
+    teacher = {"w": torch.zeros(4)}
+    with pytest.raises(pf.ImpureFunctionError, match=r"_foreach_lerp_.* writes in place into input teacher\['w'\]"):
+        pf.jit(_ema, backend="eager")(teacher, student)
+    assert teacher["w"].eq(0).all()  # the caller's value is untouched (a mesh used to drop the write, one device keep it)
+    ema = [torch.zeros(4)]
+    with pytest.raises(pf.ImpureFunctionError, match="writes in place into a tensor captured from outside the step"):
+        pf.jit(lambda s: torch._foreach_lerp_(ema, [s], 0.5) or ema[0] * 1, backend="eager")(torch.ones(4))
+    assert ema[0].eq(0).all()
+
+
+def test_foreach_writes_into_the_step_own_tensors_run():
+    def step(xs):
+        fresh = [x * 1 for x in xs]
+        torch._foreach_mul_(fresh, 3.0)
+        torch._foreach_add_(fresh, 1.0)
+        return fresh
+
+    xs = [torch.ones(3), torch.arange(2.0)]
+    out = pf.jit(step, backend="eager")(xs)
+    for got, x in zip(out, xs):
+        torch.testing.assert_close(got, x * 3 + 1)

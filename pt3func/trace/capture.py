@@ -788,8 +788,10 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             written = arg.name in ("running_mean", "running_var") and bool(_argument(node, 5, "training"))
         if written:
             value = _argument(node, i, arg.name)
-            if isinstance(value, torch.fx.Node):
-                out.append(value)
+            # `Tensor(a!)[]`: the `torch._foreach_*_` ops write every tensor of a list (an EMA's lerp_).
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.fx.Node):
+                    out.append(item)
     return out
 
 

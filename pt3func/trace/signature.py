@@ -453,7 +453,10 @@ def structure_changes(spec: ArgSpec, old_treedef: Any, old_static: tuple, treede
     """Where two calls' argument structures differ, by path: `params['w_extra'] added`, `batch[2] removed`,
     `params['w3']: a leaf -> a tuple of 1`, `argument mask now passed`. [] where no path tells (the caller
     then shows the treedefs)."""
-    before, after = _arguments(spec, old_treedef, old_static), _arguments(spec, treedef, static)
+    try:
+        before, after = _arguments(spec, old_treedef, old_static), _arguments(spec, treedef, static)
+    except Exception:  # noqa: BLE001 (a registered node whose unflatten checks its children: no skeleton to walk)
+        return []
     changes = [f"argument {label} now passed" for label in after if label not in before]
     changes += [f"argument {label} no longer passed" for label in before if label not in after]
     for label in [k for k in after if k in before]:
