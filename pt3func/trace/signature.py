@@ -522,13 +522,15 @@ def _node_text(x: Any) -> str:
         return "a leaf"
     if x is None:
         return "None"
+    name = type(x).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
     if isinstance(x, dict):
-        return f"a {type(x).__name__} with keys {list(x)}"
+        return f"{article} {name} with keys {list(x)}"
     if hasattr(x, "_fields"):
-        return f"a {type(x).__name__} with fields {tuple(x._fields)}"
+        return f"{article} {name} with fields {tuple(x._fields)}"
     if type(x) in (list, tuple):
-        return f"a {type(x).__name__} of {len(x)}"
-    return f"a {type(x).__name__}"
+        return f"a {name} of {len(x)}"
+    return f"{article} {name}"
 
 
 def leaf_labels(spec: ArgSpec, treedef: Any, static: tuple) -> list[str]:
