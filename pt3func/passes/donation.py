@@ -44,7 +44,18 @@ class DonationPlan:
 
 
 def _fits(a: LeafMeta, b: LeafMeta) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.layout == b.layout
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and _same_layout(a.layout, b.layout)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Equal layouts; a plain tensor (None) also matches a value replicated over its whole mesh: both hold every
+    element on every rank (a plain input left `None` in in_shardings becomes a replicated output)."""
+    if a == b:
+        return True
+    if (a is None) == (b is None):
+        return False
+    _mesh, placements = a if a is not None else b
+    return all(p.is_replicate() for p in placements)
 
 
 def plan_donation(
@@ -98,7 +109,9 @@ def apply_donation(gm: fx.GraphModule, plan: DonationPlan) -> fx.GraphModule:
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = list(output_node.args[0])
+    # An output that is its input seen whole through views (a sharded step wraps a passed-through value in
+    # `view(x, x.shape)`) is that input: it needs no copy, and it is not "another output reading the input".
+    outs = [_unviewed(out) for out in output_node.args[0]]
     donated_nodes = {placeholders[i]: i for i in plan.aliases.values()}
     for j, out in enumerate(outs):
         if not isinstance(out, fx.Node):
@@ -131,6 +144,21 @@ def apply_donation(gm: fx.GraphModule, plan: DonationPlan) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _unviewed(out: Any) -> Any:
+    """`out`'s storage root when `out` views all of it as it is (same shape, strides, offset and dtype), else out."""
+    if not isinstance(out, fx.Node):
+        return out
+    root = storage_root(out)
+    if root is out or root.op != "placeholder":
+        return out
+    a, b = out.meta.get("val"), root.meta.get("val")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return out
+    same = (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.dtype == b.dtype)
+    return root if same else out
 
 
 def _own_copy(graph: fx.Graph, out: fx.Node, donated_roots: set[fx.Node]) -> fx.Node:
