@@ -12,6 +12,8 @@
 - `F.cross_entropy` / `F.nll_loss` with a mean over a split batch: the whole batch's mean (`mean_loss.py`).
 - Convolutions (`F.conv*`, `F.conv_transpose*`) of a weight or input split other than along the batch: gathered
   first (`convolution.py`), where DTensor gave wrong numbers.
+- `torch.gather` / `take_along_dim` over a dim their input is split along: the input gathered along it first
+  (`gathers.py`), where DTensor's masked partial sum gave wrong numbers after a view (`Categorical.log_prob`).
 - Scans (`cumsum`, ...) with a negative dim: the dim made non-negative, which DTensor's rule needs (`scans.py`).
 - `torch.empty_like` / `new_empty` of a pending sum: labelled replicated, so a later fill means what it does on
   one device (`uninitialized.py`).
@@ -35,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from pt3func._compat import DTENSOR_INDEX_PUT_SPLIT_INDEX_BROKEN, is_plain_shard
 from pt3func.spmd.batch_norm import batch_norm_exactly, instance_norm_exactly
 from pt3func.spmd.convolution import CONVOLUTIONS, convolve_in_supported_layout
+from pt3func.spmd.gathers import GATHERS, gather_from_whole_dim
 from pt3func.spmd.mean_loss import MEAN_LOSSES, exact_mean
 from pt3func.spmd.per_sample import (
     RECURRENT,
@@ -74,6 +77,7 @@ _FAMILY_RULES: tuple[tuple[frozenset, Callable[[Callable, tuple, dict], Any]], .
     (UNINITIALIZED, replicated_not_pending),
     (FILLS_LIKE_A_PENDING_SUM, on_batch_split_inputs),
     (CONVOLUTIONS, convolve_in_supported_layout),
+    (GATHERS, gather_from_whole_dim),
 )
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from pt3func._compat import is_plain_shard, is_strided_shard
 from pt3func.trace.source import describe, is_user_file
@@ -196,9 +196,34 @@ def fill(func: Callable, args: tuple, kwargs: dict) -> Any:
     return x.copy_(_like(x, block(whole)))
 
 
+# Draws whose numbers depend on their input's values (a probability per element or per row): the whole input is
+# gathered (an all-gather of it), drawn over as one device draws, and each rank keeps its block of the result.
+VALUE_DRAWS = frozenset({torch.multinomial, _T.multinomial, torch.bernoulli, _T.bernoulli, torch.poisson})
+
+
+def value_draw(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """`torch.multinomial(probs, n)`, `torch.bernoulli(p)`, `torch.poisson(rates)` on a split DTensor, or None."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, DTensor) or any(p.is_partial() for p in x.placements):
+        return None
+    block = _block(x)
+    if block is None:
+        return None
+    rest = {k: v for k, v in kwargs.items() if k != "input"}
+    whole = func(x.full_tensor(), *args[1:], **rest)  # the input whole on every rank: one device's draw
+    if func not in (torch.multinomial, _T.multinomial):
+        return _like(x, block(whole))  # elementwise: the output is laid out as the input
+    # A row of categories per example: the output keeps the splits of the rows, not of the categories (its last dim
+    # is the samples).
+    if any(is_strided_shard(p) for p in x.placements):
+        return None
+    last = x.ndim - 1
+    placements = [Replicate() if is_plain_shard(p) and p.dim == last else p for p in x.placements]
+    return distribute_tensor(whole, x.device_mesh, placements, src_data_rank=None)
+
+
 UNCOVERED = frozenset({
-    torch.bernoulli, _T.bernoulli, torch.randint_like, torch.normal,
-    torch.poisson, torch.multinomial, torch.rrelu, torch.rrelu_, F.rrelu, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.randint_like, torch.normal, torch.rrelu, torch.rrelu_, F.rrelu, F.alpha_dropout, F.feature_alpha_dropout,
     torch.alpha_dropout, torch.feature_alpha_dropout, torch.native_dropout,
     torch.dropout_, torch.feature_dropout_, torch.alpha_dropout_, torch.feature_alpha_dropout_,
 })
@@ -216,7 +241,7 @@ def warn_uncovered(func: Callable, args: tuple, kwargs: dict) -> None:
         if not dropout_p:
             return
         name = f"scaled_dot_product_attention(dropout_p={dropout_p})"
-    elif func not in UNCOVERED and func not in FILLS:  # (a fill with a tensor parameter is not redrawn)
+    elif func not in UNCOVERED and func not in FILLS and func not in VALUE_DRAWS:  # (not redrawn: see their rules)
         return
     first = args[0] if args else next(iter(kwargs.values()), None)
     if not (isinstance(first, DTensor) and _block(first) is not None):
@@ -230,7 +255,7 @@ def warn_uncovered(func: Callable, args: tuple, kwargs: dict) -> None:
         "redraw it over the whole value, so every rank draws its own block's numbers and ranks seeded alike draw "
         "the same ones; the step's numbers differ from one device's. Covered: F.dropout, F.dropout1d / 2d / 3d, "
         "torch.dropout, torch.feature_dropout, torch.rand_like, torch.randn_like, in-place fills with number "
-        "parameters (README, 'Random draws on split values').",
+        "parameters, torch.multinomial / bernoulli / poisson (README, 'Random draws on split values').",
         stacklevel=2,
     )
 
@@ -242,7 +267,7 @@ def _user_line() -> str:
     return "unknown line" if frame is None else describe(frame.f_code.co_filename, frame.f_lineno)
 
 
-RANDOM = frozenset(DROPOUTS) | frozenset(RANDOM_LIKE) | FILLS | UNCOVERED
+RANDOM = frozenset(DROPOUTS) | frozenset(RANDOM_LIKE) | FILLS | VALUE_DRAWS | UNCOVERED
 
 
 def redraw(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -255,6 +280,8 @@ def redraw(func: Callable, args: tuple, kwargs: dict) -> Any:
         drawn = random_like(func, args, kwargs)
     elif func in FILLS:
         drawn = fill(func, args, kwargs)
+    elif func in VALUE_DRAWS:
+        drawn = value_draw(func, args, kwargs)
     else:
         drawn = None
     if drawn is None:
