@@ -109,3 +109,14 @@ def test_foreach_writes_into_the_step_own_tensors_run():
     out = pf.jit(step, backend="eager")(xs)
     for got, x in zip(out, xs):
         torch.testing.assert_close(got, x * 3 + 1)
+
+
+def _per_example(x):
+    if x.sum() > 0:  # control flow on a batched value: torch.func.vmap's own refusal
+        return x
+    return -x
+
+
+def test_control_flow_under_vmap_is_named_as_data_dependent():
+    with pytest.raises(pf.DataDependentControlFlowError, match=r"test_capture_s19.py:\d+ `if x.sum\(\) > 0:"):
+        pf.jit(pf.vmap(_per_example), backend="eager")(torch.randn(3, 2))

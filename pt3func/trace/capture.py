@@ -54,7 +54,9 @@ except ImportError:  # pragma: no cover
 # a RuntimeError carrying the guard's message (DTensor hashes its op schema), DTensor's refusal of .tolist(), or
 # the missing sharding rule of an op whose output shape depends on values.
 _DATA_DEPENDENT_MESSAGES = ("Could not guard on data-dependent expression", ".tolist() is not supported for tensor "
-                            "subclasses")
+                            "subclasses",
+                            # torch.func.vmap's refusal of `.item()` / `if t` on a batched tensor (pf.vmap in a step)
+                            "vmap: It looks like you're")
 _VALUE_SHAPED_OPS = ("aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique", "aten.argwhere",
                      "aten.nonzero_numpy", "aten.repeat_interleave.Tensor")
 
