@@ -75,7 +75,10 @@ class Apply:
     """The pure forward of a module: `apply(params, *args, **kwargs) -> output`.
 
     Made by `functionalize`. Attributes:
-      module: the module whose forward runs (its tensors are swapped for `params` during a call only).
+      module: the module whose forward runs (its tensors are swapped for `params` during a call only). Eagerly on a
+        virtual mesh (outside pf.jit), each rank thread runs a shallow copy of its own (the tensors shared), made
+        again once an attribute of the module is set again (`module.eval()`), as ranks of a real world never share
+        one module.
       param_paths: the pytree path (tuple of keys) of every parameter in `params`.
       buffer_paths: the pytree path of every buffer in `params`.
       tied_paths: `{alias path: path in params}` for each tensor tied under more than one name.
@@ -113,6 +116,9 @@ class Apply:
 
     def __call__(self, params: Any, /, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on `params`; buffer updates the forward makes are dropped."""
+        mesh = _virtual_mesh_of(params, args, kwargs)
+        if mesh is not None:
+            return _on_ranks(mesh, self.__call__, params, args, kwargs)
         ordered, _, _, _ = self._ordered_leaves(params)
         named = self._named(ordered)
         module = self._module_of_this_thread()
@@ -150,6 +156,9 @@ class Apply:
         given in `params`. Carry `new_params` into the next step to keep the statistics, as flax does
         with `mutable=["batch_stats"]`.
         """
+        mesh = _virtual_mesh_of(params, args, kwargs)
+        if mesh is not None:
+            return _on_ranks(mesh, self.with_updates, params, args, kwargs)
         ordered, leaves, order, structure = self._ordered_leaves(params)
         named = self._named(ordered)
         # functional_call writes the module's tensors back into `named` when it restores the module, so
@@ -181,7 +190,9 @@ class Apply:
         time, under the trace lock), and so does every other thread."""
         if not _eager_in_rank_thread():
             return self.module
-        copies = _THREAD_COPIES.__dict__.setdefault("by_apply", weakref.WeakKeyDictionary())
+        copies = getattr(_THREAD_COPIES, "by_apply", None)
+        if copies is None:
+            copies = _THREAD_COPIES.by_apply = weakref.WeakKeyDictionary()
         copy = copies.get(self)
         if copy is None or not copy.current():
             copy = copies[self] = _ModuleCopy(self.module)
@@ -270,6 +281,23 @@ def _module_state_kept(module: nn.Module) -> Iterator[None]:
                 m._buffers.update(buffers)
 
 
+def _virtual_mesh_of(params: Any, args: tuple, kwargs: dict) -> Any:
+    """Outside its rank threads, the virtual mesh of the first virtual array among the arguments (`apply(params, x)`
+    on a virtual mesh outside any step): the forward then runs in every rank thread on that rank's values, as each
+    process of a real world runs it on its own DTensors. None elsewhere."""
+    from pt3func.runtime import virtual
+
+    if not virtual.VirtualWorld._installed or virtual.in_rank_thread():
+        return None
+    return virtual.mesh_of_arrays(params, args, kwargs)
+
+
+def _on_ranks(mesh: Any, method: Any, params: Any, args: tuple, kwargs: dict) -> Any:
+    from pt3func.runtime import virtual
+
+    return virtual.call(mesh, method, (params, *args), kwargs)
+
+
 def _eager_in_rank_thread() -> bool:
     """Whether this is a virtual mesh's rank thread running torch eagerly (not tracing a step)."""
     from pt3func.runtime import virtual
@@ -285,9 +313,9 @@ def _eager_in_rank_thread() -> bool:
 # mesh) or the Apply, whichever goes first.
 _THREAD_COPIES = threading.local()
 
-# Why: `_ModuleCopy` gives the copy its own containers that functional_call or a forward writes: the tensor dicts,
-# the child modules, and lists (RNN's `_flat_weights`, which its __setattr__ updates in place). The rest (hook
-# dicts, configs) is shared, so a hook registered on the module later is seen.
+# The dicts of a module a copy has its own of, besides its children and its lists (RNN's `_flat_weights`, which its
+# __setattr__ updates in place): those functional_call swaps the call's tensors into. The rest (hook dicts, a config)
+# is shared, so that a hook registered on the module later runs in the copies too.
 _OWN_CONTAINERS = ("_parameters", "_buffers")
 
 
@@ -313,7 +341,7 @@ class _ModuleCopy:
         attributes, children = dict(module.__dict__), dict(module._modules)
         self._originals.append((module, attributes, children))
         state = {
-            key: list(value) if type(value) is list else dict(value) if key in _OWN_CONTAINERS else value
+            key: type(value)(value) if type(value) is list or key in _OWN_CONTAINERS else value
             for key, value in attributes.items()
         }
         state["_modules"] = {

@@ -521,8 +521,9 @@ class VirtualArray:
         return self._scalar(complex)
 
     def __format__(self, spec: str) -> str:
-        # As a plain tensor's: a 0-d array formats its number (f"{loss:.4f}"), any other one as an object.
-        if self.ndim == 0:
+        # A format spec on a 0-d array formats its number, as a plain tensor's (f"{loss:.4f}"; a DTensor's raises).
+        # Without one it prints as str() does: the handle, never gathered (a donated array prints too).
+        if spec and self.ndim == 0:
             return format(self.item(), spec)
         return object.__format__(self, spec)
 
@@ -642,14 +643,16 @@ def _in_place(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     return apply
 
 
-_BINARY_OPS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
-               "rshift")
-for _name in _BINARY_OPS:
-    _op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
+# `x << n` and `x >> n` as torch.bitwise_left/right_shift: DTensor's own operators (aten.__lshift__/__rshift__) return
+# x unshifted (torch 2.13, on a real world too).
+_SHIFTS = {"lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift}
+_IN_PLACE_SHIFTS = {"lshift": torch.Tensor.bitwise_left_shift_, "rshift": torch.Tensor.bitwise_right_shift_}
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", *_SHIFTS):
+    _op = _SHIFTS.get(_name) or getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
     setattr(VirtualArray, f"__{_name}__", _binary(_op))
     setattr(VirtualArray, f"__r{_name}__", _binary(_op, reflected=True))
     if _name != "matmul":  # (torch has no in-place matmul: `x @= y` is `x = x @ y`, as for a tensor)
-        setattr(VirtualArray, f"__i{_name}__", _in_place(getattr(operator, f"i{_name}")))
+        setattr(VirtualArray, f"__i{_name}__", _in_place(_IN_PLACE_SHIFTS.get(_name) or getattr(operator, f"i{_name}")))
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
     setattr(VirtualArray, f"__{_name}__", _binary(getattr(operator, _name)))
 for _name in ("neg", "pos", "abs", "invert"):
