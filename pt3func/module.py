@@ -265,13 +265,18 @@ def _module_state_kept(module: nn.Module) -> Iterator[None]:
     """The module's own attributes as they were before a forward: `apply` is pure. A forward that assigns
     `self.last = y`, fills a buffer registered as None, or rebinds a cached list of tensors (LSTM's
     `_flat_weights`) left them on the module, under `pf.jit` as the trace's fake tensors. (functional_call puts
-    back only the names it swapped.)"""
+    back only the names it swapped.)
+
+    A new attribute holding a bool stays: it records a one-time setup whose other effects
+    are not undone here (Hugging Face installs its output-capturing forward hooks once and sets
+    `_output_capturing_hooks_installed`; dropping the flag made every later call install the hooks again, and
+    `hidden_states` came back duplicated)."""
     saved = [(m, dict(m.__dict__), dict(m._buffers)) for m in module.modules()]
     try:
         yield
     finally:
         for m, attributes, buffers in saved:
-            for key in [k for k in m.__dict__ if k not in attributes]:
+            for key in [k for k in m.__dict__ if k not in attributes and not _is_setup_flag(m.__dict__[k])]:
                 del m.__dict__[key]
             for key, value in attributes.items():
                 if m.__dict__.get(key) is not value:
@@ -279,6 +284,10 @@ def _module_state_kept(module: nn.Module) -> Iterator[None]:
             if m._buffers != buffers or any(m._buffers[k] is not v for k, v in buffers.items()):
                 m._buffers.clear()
                 m._buffers.update(buffers)
+
+
+def _is_setup_flag(value: Any) -> bool:
+    return isinstance(value, bool)  # (a counter, `self.calls = 1`, is state the forward should not leave behind)
 
 
 def _virtual_mesh_of(params: Any, args: tuple, kwargs: dict) -> Any:
