@@ -143,7 +143,8 @@ def _choice(*choices: str) -> Any:
 # setting written for another version of pt3func keeps working.
 SKIPPABLE_PASSES = frozenset({
     "accumulate_in_place", "bucket_gradient_all_reduces", "cast_before_gather", "chunk_cross_entropy",
-    "issue_collectives_early", "keep_backward_in_backward", "order_by_readiness", "reduce_partial_sums", "sink_waits",
+    "issue_collectives_early", "keep_backward_in_backward", "merge_duplicate_collectives", "order_by_readiness",
+    "reduce_partial_sums", "sink_waits",
 })
 
 

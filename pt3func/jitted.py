@@ -41,6 +41,7 @@ from pt3func.passes.bucketing import bucket_gradient_all_reduces
 from pt3func.passes.chunked_loss import chunk_cross_entropy
 from pt3func.passes.donation import LeafMeta, apply_donation, plan_donation
 from pt3func.passes.gather_cast import cast_before_gather
+from pt3func.passes.merge_collectives import merge_duplicate_collectives
 from pt3func.passes.overlap import issue_collectives_early, order_by_readiness, sink_waits
 from pt3func.passes.remat import fence_recomputation, remat_notes, rematerialize
 from pt3func.passes.remat_budget import fit_memory_budget
@@ -765,7 +766,7 @@ class Jitted:
         for g in overlapping:  # one address holds several elements: no output can be written into it
             plan_g.unused[g] = "its elements share memory (an expand()-ed view, stride 0): it cannot hold an output"
         gm = apply_donation(gm, plan_g)
-        optimisations = [cast_before_gather]  # same values, fewer bytes: safe run op by op too
+        optimisations = [merge_duplicate_collectives, cast_before_gather]  # same values, fewer bytes: safe op by op
         if self.backend == "inductor":
             # Only where the compiler owns buffer lifetimes: run op by op, Python frees a collective's input
             # after its last use in the graph, which may be while a collective still in flight reads it.

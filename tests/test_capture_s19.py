@@ -91,7 +91,7 @@ def test_foreach_writes_into_inputs_and_captured_tensors_are_refused():
     teacher = {"w": torch.zeros(4)}
     with pytest.raises(pf.ImpureFunctionError, match=r"_foreach_lerp_.* writes in place into input teacher\['w'\]"):
         pf.jit(_ema, backend="eager")(teacher, student)
-    assert teacher["w"].eq(0).all()  # the caller's value is untouched (a mesh used to drop the write, one device keep it)
+    assert teacher["w"].eq(0).all()  # untouched (one device used to change it, a mesh to drop the write)
     ema = [torch.zeros(4)]
     with pytest.raises(pf.ImpureFunctionError, match="writes in place into a tensor captured from outside the step"):
         pf.jit(lambda s: torch._foreach_lerp_(ema, [s], 0.5) or ema[0] * 1, backend="eager")(torch.ones(4))

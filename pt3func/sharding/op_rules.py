@@ -123,12 +123,10 @@ def _registered() -> set:
     return set(DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs)
 
 
-# Attention kernels whose outputs take q's layout in their meta functions (`empty_like(query)`): the CPU kernel and
-# CUDA's flash kernel. The backwards' outputs have a fixed layout, the same for any input.
-_LAYOUT_FOLLOWS_INPUT = (
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-)
+# Attention kernels whose outputs take q's layout in their meta functions (`empty_like(query)`): the CPU kernel (its
+# backward's outputs have a fixed layout, the same for any input). CUDA's flash kernel's meta does the same; it is
+# left to DTensor here, untested on a GPU.
+_LAYOUT_FOLLOWS_INPUT = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
 
 
 def _dispatch_keeping_strides(op_call: Any, args: tuple, kwargs: dict) -> object:
