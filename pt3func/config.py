@@ -131,6 +131,8 @@ def _bytes(name: str, value: Any) -> int | None:
 
 def _choice(*choices: str) -> Any:
     def check(name: str, value: Any) -> str:
+        if isinstance(value, str):  # environment values: " On", "" (unset: the default, the first choice)
+            value = value.strip().lower() or choices[0]
         if value not in choices:
             raise ValueError(f"pf.config.{name} is one of {', '.join(map(repr, choices))}, got {value!r} (also read "
                              f"from PT3FUNC_{name.upper()})")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,10 +73,7 @@ class Apply:
     """The pure forward of a module: `apply(params, *args, **kwargs) -> output`.
 
     Made by `functionalize`. Attributes:
-      module: the module whose forward runs (its tensors are swapped for `params` during a call only). Eagerly on a
-        virtual mesh (outside pf.jit), each rank thread runs a shallow copy of its own (the tensors shared), made
-        again once an attribute of the module is set again (`module.eval()`), as ranks of a real world never share
-        one module.
+      module: the module whose forward runs (its tensors are swapped for `params` during a call only).
       param_paths: the pytree path (tuple of keys) of every parameter in `params`.
       buffer_paths: the pytree path of every buffer in `params`.
       tied_paths: `{alias path: path in params}` for each tensor tied under more than one name.
@@ -116,14 +111,10 @@ class Apply:
 
     def __call__(self, params: Any, /, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on `params`; buffer updates the forward makes are dropped."""
-        mesh = _virtual_mesh_of(params, args, kwargs)
-        if mesh is not None:
-            return _on_ranks(mesh, self.__call__, params, args, kwargs)
         ordered, _, _, _ = self._ordered_leaves(params)
         named = self._named(ordered)
-        module = self._module_of_this_thread()
-        with _module_state_kept(module):
-            return functional_call(module, named, args, kwargs, tie_weights=False)
+        with _module_state_kept(self.module):
+            return functional_call(self.module, named, args, kwargs, tie_weights=False)
 
     def partition(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """`(trainable, frozen)`: `params` split into two nested dicts, the parameters that had
@@ -156,16 +147,12 @@ class Apply:
         given in `params`. Carry `new_params` into the next step to keep the statistics, as flax does
         with `mutable=["batch_stats"]`.
         """
-        mesh = _virtual_mesh_of(params, args, kwargs)
-        if mesh is not None:
-            return _on_ranks(mesh, self.with_updates, params, args, kwargs)
         ordered, leaves, order, structure = self._ordered_leaves(params)
         named = self._named(ordered)
         # functional_call writes the module's tensors back into `named` when it restores the module, so
         # after the call it holds each buffer's final value: the updated copy, or what forward assigned.
-        module = self._module_of_this_thread()
-        with _module_state_kept(module):
-            output = functional_call(module, named, args, kwargs, tie_weights=False)
+        with _module_state_kept(self.module):
+            output = functional_call(self.module, named, args, kwargs, tie_weights=False)
         for alias, i in self._aliases:
             if named[alias] is not named[self._names[i]]:
                 # eager torch would untie the two names; params holds one tensor for both
@@ -178,25 +165,6 @@ class Apply:
         for i in self._buffer_index:
             new_leaves[i if order is None else order[i]] = named[self._names[i]]
         return output, tree.unflatten(structure, new_leaves)
-
-    def _module_of_this_thread(self) -> nn.Module:
-        """The module the forward runs on: `self.module`, but in a virtual mesh's rank thread running eagerly (pf.grad
-        outside pf.jit), that thread's own shallow copy of it.
-
-        functional_call swaps the call's tensors into the module it runs for the call's length, and the rank threads
-        run at once: on the one module each thread's forward read another rank's DTensors ("inputs with different
-        meshes"), as no process of a real world does. A lock would not do: a forward that runs a collective would
-        wait, holding it, for ranks waiting for the lock. A trace runs on the module itself (traces run one at a
-        time, under the trace lock), and so does every other thread."""
-        if not _eager_in_rank_thread():
-            return self.module
-        copies = getattr(_THREAD_COPIES, "by_apply", None)
-        if copies is None:
-            copies = _THREAD_COPIES.by_apply = weakref.WeakKeyDictionary()
-        copy = copies.get(self)
-        if copy is None or not copy.current():
-            copy = copies[self] = _ModuleCopy(self.module)
-        return copy.root
 
     def _ordered_leaves(self, params: Any) -> tuple[list[Any], list[Any], list[int] | None, tree.TreeSpec]:
         """`params`' leaves in this Apply's order and in its own, the map between them, and its structure.
@@ -267,10 +235,9 @@ def _module_state_kept(module: nn.Module) -> Iterator[None]:
     `_flat_weights`) left them on the module, under `pf.jit` as the trace's fake tensors. (functional_call puts
     back only the names it swapped.)
 
-    A new attribute holding a bool stays: it records a one-time setup whose other effects
-    are not undone here (Hugging Face installs its output-capturing forward hooks once and sets
-    `_output_capturing_hooks_installed`; dropping the flag made every later call install the hooks again, and
-    `hidden_states` came back duplicated)."""
+    A new attribute holding a bool stays: it records a one-time setup whose other effects are not undone here
+    (Hugging Face installs its output-capturing forward hooks once and sets `_output_capturing_hooks_installed`;
+    dropping the flag made every later call install the hooks again, and `hidden_states` came back duplicated)."""
     saved = [(m, dict(m.__dict__), dict(m._buffers)) for m in module.modules()]
     try:
         yield
@@ -288,89 +255,6 @@ def _module_state_kept(module: nn.Module) -> Iterator[None]:
 
 def _is_setup_flag(value: Any) -> bool:
     return isinstance(value, bool)  # (a counter, `self.calls = 1`, is state the forward should not leave behind)
-
-
-def _virtual_mesh_of(params: Any, args: tuple, kwargs: dict) -> Any:
-    """Outside its rank threads, the virtual mesh of the first virtual array among the arguments (`apply(params, x)`
-    on a virtual mesh outside any step): the forward then runs in every rank thread on that rank's values, as each
-    process of a real world runs it on its own DTensors. None elsewhere."""
-    from pt3func.runtime import virtual
-
-    if not virtual.VirtualWorld._installed or virtual.in_rank_thread():
-        return None
-    return virtual.mesh_of_arrays(params, args, kwargs)
-
-
-def _on_ranks(mesh: Any, method: Any, params: Any, args: tuple, kwargs: dict) -> Any:
-    from pt3func.runtime import virtual
-
-    return virtual.call(mesh, method, (params, *args), kwargs)
-
-
-def _eager_in_rank_thread() -> bool:
-    """Whether this is a virtual mesh's rank thread running torch eagerly (not tracing a step)."""
-    from pt3func.runtime import virtual
-
-    if not virtual.VirtualWorld._installed or not virtual.in_rank_thread():
-        return False
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    return get_proxy_mode() is None and not torch.compiler.is_compiling()
-
-
-# A rank thread's module copies (`_ModuleCopy`), by the Apply that made them: they go with the thread (its virtual
-# mesh) or the Apply, whichever goes first.
-_THREAD_COPIES = threading.local()
-
-# The dicts of a module a copy has its own of, besides its children and its lists (RNN's `_flat_weights`, which its
-# __setattr__ updates in place): those functional_call swaps the call's tensors into. The rest (hook dicts, a config)
-# is shared, so that a hook registered on the module later runs in the copies too.
-_OWN_CONTAINERS = ("_parameters", "_buffers")
-
-
-class _ModuleCopy:
-    """A shallow copy of a module tree for one rank thread: each submodule a new object of its class, whose attributes
-    are the original's but for its own tensor dicts, child modules and lists. Tensors are shared; functional_call
-    swaps the call's ones into the copy only. A submodule used under two names is copied once.
-
-    `current()` is False once an attribute of an original module was set again (`module.train()`/`eval()`, a
-    setting, a replaced child): the copy is then made again, so the copy runs as the module would."""
-
-    def __init__(self, module: nn.Module) -> None:
-        # (original, its attributes, its children) when copied: what `current` compares.
-        self._originals: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
-        self.root = self._copy(module, {})
-
-    def _copy(self, module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-        copied = memo.get(id(module))
-        if copied is not None:
-            return copied
-        copied = memo[id(module)] = object.__new__(type(module))
-        # Snapshots (one C call each), read from here on: another thread may run the module meanwhile.
-        attributes, children = dict(module.__dict__), dict(module._modules)
-        self._originals.append((module, attributes, children))
-        state = {
-            key: type(value)(value) if type(value) is list or key in _OWN_CONTAINERS else value
-            for key, value in attributes.items()
-        }
-        state["_modules"] = {
-            name: None if child is None else self._copy(child, memo) for name, child in children.items()
-        }
-        copied.__dict__.update(state)
-        return copied
-
-    def current(self) -> bool:
-        for module, attributes, children in self._originals:
-            now = module.__dict__
-            if len(now) != len(attributes) or any(now.get(k, _MISSING) is not v for k, v in attributes.items()):
-                return False
-            now = module._modules
-            if len(now) != len(children) or any(now.get(k, _MISSING) is not v for k, v in children.items()):
-                return False
-        return True
-
-
-_MISSING = object()
 
 
 def _insert(nest: dict[str, Any], name: str, value: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import TORCH_VERSION
 from pt3func.analysis import flop_formula
 from pt3func.sharding.visualize import _blocks
 
@@ -113,6 +114,7 @@ def _indices(runs):
     return torch.cat([torch.arange(start, stop) for start, stop in runs])
 
 
+@pytest.mark.skipif(TORCH_VERSION < (2, 12), reason="torch 2.11: no strided layouts")
 def test_visualize_draws_a_strided_shard_truthfully_and_sharding_of_says_why_not():
     mesh = pf.make_mesh((2, 2), ("dp", "tp"), virtual=True)
     x = pf.device_put(torch.arange(32.0).reshape(8, 4), pf.NamedSharding(mesh, P("dp", "tp")))
@@ -130,6 +132,7 @@ def test_visualize_draws_a_strided_shard_truthfully_and_sharding_of_says_why_not
         pf.sharding_of(y)
 
 
+@pytest.mark.skipif(TORCH_VERSION < (2, 12), reason="torch 2.11: no strided layouts")
 def test_visualize_names_strided_blocks_it_cannot_locate(monkeypatch):
     # A torch whose private split is missing (or disagrees with its own offsets): each rank's block by size and
     # index, never a made-up range, and no crash.

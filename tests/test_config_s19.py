@@ -40,3 +40,14 @@ def test_settings_take_right_values(restore):
 def test_an_unknown_pass_name_is_warned_about(restore):
     with pytest.warns(UserWarning, match="no pass is named 'sink_wait' .*did you mean 'sink_waits'"):
         pf.config.disabled_passes = {"sink_wait"}
+
+
+def test_environment_spellings_are_normalised(restore):
+    saved = pf.config.bucket_collectives
+    try:
+        pf.config.bucket_collectives = " On"
+        assert pf.config.bucket_collectives == "on"
+        pf.config.bucket_collectives = ""  # an empty variable: the default
+        assert pf.config.bucket_collectives == "auto"
+    finally:
+        pf.config.bucket_collectives = saved

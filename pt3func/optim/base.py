@@ -80,15 +80,21 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     Returns:
         A `GradientTransformation` whose state is the tuple of the states of `transforms`.
     """
-    # By attribute, not by unpacking: a class with init/update methods (MultiSteps) is no (init, update) pair.
+    # By attribute, not by unpacking: a class with init/update methods (MultiSteps) is no (init, update) pair. A
+    # plain (init, update) pair of functions is still taken, as it always was.
+    pairs = []
     for i, t in enumerate(transforms):
-        if not (callable(getattr(t, "init", None)) and callable(getattr(t, "update", None))):
+        if callable(getattr(t, "init", None)) and callable(getattr(t, "update", None)):
+            pairs.append((t.init, t.update))
+        elif isinstance(t, (tuple, list)) and len(t) == 2 and all(map(callable, t)):
+            pairs.append(tuple(t))
+        else:
             raise TypeError(
                 f"chain: argument {i} is a {type(t).__name__}, not a gradient transformation (an object with "
                 "`init(params)` and `update(updates, state, params)` methods, as pf.optim's optimizers return)"
             )
-    init_fns = tuple(t.init for t in transforms)
-    update_fns = tuple(t.update for t in transforms)
+    init_fns = tuple(init for init, _ in pairs)
+    update_fns = tuple(update for _, update in pairs)
 
     def init_fn(params):
         return tuple(fn(params) for fn in init_fns)

@@ -34,7 +34,7 @@ from torch import fx
 
 from pt3func.analysis import is_collective
 from pt3func.passes.remat import is_backward
-from pt3func.trace.capture import eliminate_dead_code
+from pt3func.trace.capture import eliminate_dead_code, mutated_args, storage_root
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -61,6 +61,12 @@ def merge_duplicate_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     values = _view_values(graph)
     first: dict[Any, fx.Node] = {}
     position = {node: i for i, node in enumerate(graph.nodes)}
+    # Where each storage is written in place: a write between two collectives of one value (`h.add_(1)` between
+    # two gathers of a view of h) makes the second move other numbers.
+    writes: dict[fx.Node, list[int]] = {}
+    for node in graph.nodes:
+        for target in mutated_args(node):
+            writes.setdefault(storage_root(target), []).append(position[node])
     for node in list(graph.nodes):
         wait = _mergeable_wait(node)
         if wait is None:
@@ -72,6 +78,9 @@ def merge_duplicate_collectives(gm: fx.GraphModule) -> fx.GraphModule:
         kept_wait = next(iter(kept.users))
         if position[kept_wait] > position[node]:
             continue  # the first result is read only after this collective is issued: not moved here
+        root = storage_root(node.args[0])
+        if any(position[kept] < at < position[node] for at in writes.get(root, ())):
+            continue
         wait.replace_all_uses_with(kept_wait)
         graph.erase_node(wait)
         graph.erase_node(node)

@@ -140,11 +140,12 @@ def make_array_from_process_local_data(
     step is instead the global value, the same on every rank. On a virtual mesh all ranks are this one process:
     use `pf.device_put` with the global value.
 
-    The global shape is the block's times the sizes of the axes that split each dim: every rank's block must
-    have the same shape (a mesh axis that does not divide a dim is refused, as everywhere in pt3func). One small
-    all-gather of the ranks' block shapes checks that: ranks whose blocks differ (a smaller last batch on one
-    rank) would otherwise each build a different global array and train on wrong numbers. Given `global_shape`
-    (as JAX takes it), each rank checks its own block against it instead: no communication.
+    No communication (it is called per batch, often from a data-loading thread, where a collective would race the
+    step's own). The global shape is `global_shape` (as JAX takes it), and then each rank checks its own block
+    against it: a rank whose block differs (a smaller last batch on one rank) gets a `ShardingError` naming both
+    shapes. Without it, the global shape is the block's times the sizes of the axes that split each dim, which
+    assumes every rank's block has the same shape: ranks whose blocks differ would each build a different global
+    array, unnoticed. Pass `global_shape` where batches may differ.
     """
     if not isinstance(local_data, torch.Tensor) or isinstance(local_data, DTensor):
         raise ShardingError(f"make_array_from_process_local_data: local_data must be a plain tensor, got "
@@ -162,7 +163,6 @@ def make_array_from_process_local_data(
         raise ShardingError(f"make_array_from_process_local_data: spec {spec} has {len(spec)} entries but the "
                             f"local block has shape {tuple(local_data.shape)}")
     if global_shape is None:
-        _check_blocks_agree(local_data)
         shape = list(local_data.shape)
         for dim, entry in enumerate(spec):
             if entry is not None:
@@ -193,19 +193,6 @@ def _checked_global_shape(global_shape: Sequence[int], local_data: torch.Tensor,
         raise ShardingError(f"make_array_from_process_local_data: global_shape {tuple(shape)} does not fit a local "
                             f"block of shape {tuple(local_data.shape)} (one size >= 0 per dim)")
     return shape
-
-
-def _check_blocks_agree(local_data: torch.Tensor) -> None:
-    """Every rank's block has this rank's shape and dtype (what inferring the global shape assumes)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tuple(local_data.shape), str(local_data.dtype)))
-    if len(set(everyone)) > 1:
-        per_rank = ", ".join(f"rank {r} {shape} {dtype}" for r, (shape, dtype) in enumerate(everyone))
-        raise ShardingError(
-            f"make_array_from_process_local_data: the ranks' blocks differ ({per_rank}), so they would each build "
-            "a different global array; give every rank a block of the same shape (drop the last partial batch)")
 
 
 def device_get(tree: PyTree) -> PyTree:
