@@ -10,6 +10,7 @@ import torch
 
 import pt3func as pf
 from pt3func import P
+from pt3func._compat import TORCH_VERSION
 from pt3func.runtime.virtual import VirtualArray
 
 
@@ -85,8 +86,8 @@ def test_len_iter_reversed_contains_format_and_numpy(mesh):
     assert all(isinstance(r, VirtualArray) for r in rows) and [float(r) for r in rows] == [0, 1, 2, 3]
     with pytest.raises(TypeError, match="iteration over a 0-d tensor"):
         iter(scalar)
-    whole = _put(mesh, torch.arange(4.0))  # (torch 2.11 cannot flip a split array)
-    assert pf.device_get(reversed(whole)).tolist() == [3.0, 2.0, 1.0, 0.0]
+    if TORCH_VERSION >= (2, 12):  # torch 2.11's DTensor has no rule for flip
+        assert pf.device_get(reversed(split)).tolist() == [3.0, 2.0, 1.0, 0.0]
     # The global array's elements, from any rank's shard (a DTensor's own `in` looks at its rank's shard only).
     assert 3.0 in split and 0.0 in split and 7 not in split and torch.tensor(1.0) in split
     with pytest.raises(RuntimeError, match="only supports Tensor or scalar"):
