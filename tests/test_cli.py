@@ -17,9 +17,20 @@ SCRIPT = ROOT / "examples" / "train_lm_sharded.py"
 TINY = ("--steps 8 --log-interval 2 --batch 8 --seq 16 --d-model 32 --layers 1 --heads 2 --max-bytes 100000 "
         "--eval-batches 1 --backend eager").split()
 ECHO = """\
-import os, sys
-print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} omp={os.environ.get('OMP_NUM_THREADS')} {sys.argv[1:]}")
+import os, pathlib, sys, time
+print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} omp={os.environ.get('OMP_NUM_THREADS')} {sys.argv[1:]}",
+      flush=True)
 failing = os.environ.get("EXIT_RANK", os.environ["RANK"])  # the rank that exits with EXIT_STATUS (default: all)
+here = pathlib.Path(__file__).parent
+(here / f"printed.{os.environ['TORCHELASTIC_RUN_ID']}.{os.environ['RANK']}").touch()
+if os.environ["RANK"] == failing and os.environ.get("EXIT_STATUS", "0") != "0":
+    # torchrun stops the other ranks once one fails: wait until every rank has printed, or a loaded machine
+    # loses a slower rank's line.
+    deadline = time.monotonic() + 60
+    while len(list(here.glob(f"printed.{os.environ['TORCHELASTIC_RUN_ID']}.*"))) < int(os.environ["WORLD_SIZE"]):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 sys.exit(int(os.environ.get("EXIT_STATUS", "0")) if os.environ["RANK"] == failing else 0)
 """
 
