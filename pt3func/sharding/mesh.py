@@ -204,8 +204,9 @@ def _ensure_world(timeout: timedelta | None, device_type: str | None = None) -> 
 def _shutdown_world() -> None:
     """Destroy the default process group at exit if it is still there (a no-op after the user's own call).
 
-    On gloo every rank first waits for the others (a monitored barrier, so a rank that is gone is an error, not a
-    hang): a rank that tears its connections down while a peer still completes the last collective makes that
+    On gloo every rank first waits for the others (a monitored barrier: its 60 s bound holds on rank 0 only, torch's
+    other ranks wait for rank 0 as long as the group's timeout, so a rank still inside a collective keeps its peers
+    here that long): a rank that tears its connections down while a peer still completes the last collective makes that
     peer's gloo thread abort the process. Not after an uncaught exception: the peers may be stuck elsewhere.
     """
     import sys
